@@ -1,0 +1,27 @@
+# Two commands do everything on a fresh machine with only python3:
+#   make demo    set up .venv, then run the embedded default end to end
+#   make test    set up .venv, then run the test suite
+# `make bench` runs the benchmarks (bench/, prints markdown tables).
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench setup
+setup: $(STAMP)
+
+# torch first and pinned: pip then takes the CPU build that lies on disk, not a CUDA one.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/gdn-fx demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py

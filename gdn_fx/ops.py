@@ -1,0 +1,144 @@
+"""The two fused ops, as torch.library custom ops with fake kernels.
+
+``torch.ops.gdn_fx.gated_delta_scan(q, k, v, g, beta, initial_state, *, scale, qk_l2norm)``
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv] with Hv = G * Hk (value head h reads key head h // G);
+    g, the LOG decay, [B, T, Hv] (GDN) or [B, T, Hv, Dk] (KDA); beta [B, T, Hv];
+    initial_state [B, Hv, Dk, Dv]. If qk_l2norm, q and k are l2-normalized (eps 1e-6); q is then
+    scaled by ``scale``. Returns (out [B, T, Hv, Dv] in promote_types(q, initial_state),
+    final_state in initial_state's dtype). Computed in f32 (f64 if an operand is f64).
+
+``torch.ops.gdn_fx.causal_conv1d_update(x, conv_state, weight, bias, activation)``
+    x [B, C, T]; conv_state [B, C, K]; weight [C, K]; bias [C] or None; activation None/"silu".
+    Returns (out [B, C, T] in x's dtype, new_state [B, C, K] in conv_state's dtype). Functional:
+    the caller writes new_state back where the model kept its state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from gdn_fx.errors import DTypeError, ShapeError
+from gdn_fx.reference import causal_conv1d_update_reference, l2norm, recurrent_delta_rule_reference
+
+SCAN = "gated_delta_scan"
+CONV = "causal_conv1d_update"
+
+
+def _shape(x: Tensor) -> list:
+    return list(x.shape)
+
+
+def _expect(op: str, name: str, x: Tensor, want: list, alt: Optional[list] = None) -> None:
+    got = _shape(x)
+    if got != want and got != alt:
+        extra = f" or {alt}" if alt is not None else ""
+        raise ShapeError(f"{op}: operand '{name}' has shape {got}; expected {want}{extra}")
+
+
+def _expect_float(op: str, operands: dict) -> None:
+    for name, x in operands.items():
+        if x is not None and not x.dtype.is_floating_point:
+            raise DTypeError(f"{op}: operand '{name}' has dtype {x.dtype}; expected a float dtype")
+
+
+def check_scan_operands(q, k, v, g, beta, initial_state) -> None:
+    """Raise ShapeError/DTypeError naming the operand that breaks the gated_delta_scan contract."""
+    _expect_float(SCAN, dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state))
+    if q.dim() != 4 or v.dim() != 4:
+        raise ShapeError(f"{SCAN}: q and v must be 4-D [B, T, H, D]; got q {_shape(q)}, "
+                         f"v {_shape(v)}")
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    _expect(SCAN, "k", k, _shape(q))
+    _expect(SCAN, "v", v, [b, t, hv, dv])
+    if hk == 0 or hv % hk:
+        raise ShapeError(f"{SCAN}: value heads {hv} must be a multiple of key heads {hk}")
+    _expect(SCAN, "g", g, [b, t, hv], [b, t, hv, dk])
+    _expect(SCAN, "beta", beta, [b, t, hv])
+    _expect(SCAN, "initial_state", initial_state, [b, hv, dk, dv])
+
+
+def scan_out_dtype(q: Tensor, initial_state: Tensor) -> torch.dtype:
+    """The promoted output dtype of gated_delta_scan."""
+    return torch.promote_types(q.dtype, initial_state.dtype)
+
+
+def _scan_math(q, k, v, g, beta, initial_state, *, scale, qk_l2norm):
+    """The op's definition in differentiable torch (the eager kernel and the backward)."""
+    work = torch.promote_types(torch.float32, scan_out_dtype(q, initial_state))
+    q2, k2, v2, g2, b2, s0 = (x.to(work) for x in (q, k, v, g, beta, initial_state))
+    if qk_l2norm:
+        q2, k2 = l2norm(q2), l2norm(k2)
+    out, final = recurrent_delta_rule_reference(q2, k2, v2, g2, b2, scale=scale, initial_state=s0)
+    # The reference concatenates its final states, so `final` never aliases initial_state.
+    return out.to(scan_out_dtype(q, initial_state)), final.to(initial_state.dtype)
+
+
+@torch.library.custom_op("gdn_fx::gated_delta_scan", mutates_args=())
+def gated_delta_scan(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
+    *, scale: float, qk_l2norm: bool,
+) -> tuple[Tensor, Tensor]:
+    """Gated delta rule over the whole sequence: one op for the unrolled loop."""
+    check_scan_operands(q, k, v, g, beta, initial_state)
+    return _scan_math(q, k, v, g, beta, initial_state, scale=scale, qk_l2norm=qk_l2norm)
+
+
+@gated_delta_scan.register_fake
+def _(q, k, v, g, beta, initial_state, *, scale, qk_l2norm):
+    check_scan_operands(q, k, v, g, beta, initial_state)
+    b, t, hv, dv = v.shape
+    out = v.new_empty((b, t, hv, dv), dtype=scan_out_dtype(q, initial_state))
+    return out, torch.empty_like(initial_state)
+
+
+def check_conv_operands(x, conv_state, weight, bias, activation) -> None:
+    """Raise ShapeError/DTypeError naming the operand that breaks the conv-update contract."""
+    _expect_float(CONV, dict(x=x, conv_state=conv_state, weight=weight, bias=bias))
+    if x.dim() != 3 or weight.dim() != 2:
+        raise ShapeError(f"{CONV}: x must be [B, C, T] and weight [C, K]; got x {_shape(x)}, "
+                         f"weight {_shape(weight)}")
+    b, c, _ = x.shape
+    _expect(CONV, "weight", weight, [c, weight.shape[1]])
+    _expect(CONV, "conv_state", conv_state, [b, c, weight.shape[1]])
+    if bias is not None:
+        _expect(CONV, "bias", bias, [c])
+    if activation not in (None, "silu"):
+        raise ValueError(f"{CONV}: activation must be None or 'silu', got {activation!r}")
+
+
+@torch.library.custom_op("gdn_fx::causal_conv1d_update", mutates_args=())
+def causal_conv1d_update(
+    x: Tensor, conv_state: Tensor, weight: Tensor, bias: Optional[Tensor],
+    activation: Optional[str],
+) -> tuple[Tensor, Tensor]:
+    """Depthwise causal conv1d of x after the cached samples; returns (out, new_state)."""
+    check_conv_operands(x, conv_state, weight, bias, activation)
+    out, new_state = causal_conv1d_update_reference(x, conv_state, weight, bias, activation)
+    return out.contiguous(), new_state.contiguous()  # fresh, dense tensors, as the fake claims
+
+
+@causal_conv1d_update.register_fake
+def _(x, conv_state, weight, bias, activation):
+    check_conv_operands(x, conv_state, weight, bias, activation)
+    return torch.empty_like(x), torch.empty_like(conv_state)
+
+
+def _scan_setup(ctx, inputs, keyword_only_inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+    ctx.options = keyword_only_inputs
+
+
+def _scan_backward(ctx, grad_out, grad_state):
+    """Gradients by re-running the differentiable definition under autograd."""
+    inputs = [x.detach().requires_grad_(True) for x in ctx.saved_tensors]
+    with torch.enable_grad():
+        outs = _scan_math(*inputs, **ctx.options)
+        grads = torch.autograd.grad(outs, inputs, (grad_out, grad_state), allow_unused=True)
+    return tuple(grads)
+
+
+gated_delta_scan.register_autograd(_scan_backward, setup_context=_scan_setup)
