@@ -17,11 +17,13 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from gdn_fx.errors import ShapeError
+
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
 def l2norm(x: Tensor, eps: float = 1e-6, dim: int = -1) -> Tensor:
-    """``x * rsqrt(sum(x*x) + eps)`` over ``dim``: HF's ``use_qk_l2norm_in_kernel`` normalization."""
+    """``x * rsqrt(sum(x*x) + eps)`` over ``dim``: HF's ``use_qk_l2norm_in_kernel`` norm."""
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
@@ -30,31 +32,72 @@ def _segments(total: int, cu_seqlens: Optional[Tensor]) -> list[tuple[int, int]]
     if cu_seqlens is None:
         return [(0, total)]
     bounds = [int(b) for b in cu_seqlens.detach().cpu().tolist()]  # read on the CPU, by design
-    if bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds)):
-        raise ValueError(f"cu_seqlens {bounds} must rise from 0 to T={total}")
+    rising = all(a <= b for a, b in zip(bounds, bounds[1:]))
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total or not rising:
+        raise ShapeError(f"cu_seqlens {bounds} must rise (not strictly) from 0 to T={total}")
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def _check_operands(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
+    """Raise ShapeError naming the operand whose shape breaks the layout of this module."""
+    if q.dim() != 4 or v.dim() != 4:
+        raise ShapeError(f"q and v must be 4-D [B, T, H, D]; got q {list(q.shape)}, "
+                         f"v {list(v.shape)}")
+    b, t, hk, dk = q.shape
+    hv = v.shape[2]
+    wanted = {"k": ([list(q.shape)], k), "v": ([[b, t, hv, v.shape[3]]], v),
+              "g": ([[b, t, hv], [b, t, hv, dk]], g), "beta": ([[b, t, hv]], beta)}
+    for name, (shapes, x) in wanted.items():
+        if list(x.shape) not in shapes:
+            raise ShapeError(f"operand '{name}' has shape {list(x.shape)}; expected "
+                             + " or ".join(str(s) for s in shapes))
+    if hk == 0 or hv % hk:
+        raise ShapeError(f"value heads {hv} must be a multiple of key heads {hk}")
+
+
+def _initial_state(q: Tensor, v: Tensor, initial_state: Optional[Tensor], count: int,
+                   state_v_first: bool) -> Tensor:
+    """The key-first initial states [N, Hv, Dk, Dv]: the given ones (checked) or zeros."""
+    hv, dk, dv = v.shape[2], q.shape[3], v.shape[3]
+    if initial_state is None:
+        return q.new_zeros(count, hv, dk, dv)
+    want = [count, hv, dv, dk] if state_v_first else [count, hv, dk, dv]
+    if list(initial_state.shape) != want:
+        raise ShapeError(f"operand 'initial_state' has shape {list(initial_state.shape)}; "
+                         f"expected {want} (N = {count} sequences)")
+    return initial_state.transpose(-1, -2) if state_v_first else initial_state
+
+
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
-    """Shared argument handling: expand GQA and GDN gates, pick the initial states."""
+    """Shared argument handling: check shapes, expand GQA and GDN gates, pick initial states."""
+    _check_operands(q, k, v, g, beta)
     b, _, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
-    if hv % hk:
-        raise ValueError(f"value heads {hv} must be a multiple of key heads {hk}")
+    hv = v.shape[2]
     if cu_seqlens is not None and b != 1:
-        raise ValueError(f"cu_seqlens needs batch 1 (packed sequences), got batch {b}")
+        raise ShapeError(f"cu_seqlens needs batch 1 (packed sequences), got batch {b}")
+    count = b if cu_seqlens is None else cu_seqlens.numel() - 1
+    s0 = _initial_state(q, v, initial_state, count, state_v_first)
     q = q.repeat_interleave(hv // hk, dim=2)
     k = k.repeat_interleave(hv // hk, dim=2)
     if g.dim() == 3:  # GDN: one decay per head, the same for every key channel
         g = g.unsqueeze(-1).expand(*g.shape, dk)
     scale = dk**-0.5 if scale is None else scale
-    n = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
-    count = b * n if cu_seqlens is None else n
-    if initial_state is None:
-        s0 = q.new_zeros(count, hv, dk, dv)
-    else:
-        s0 = initial_state.transpose(-1, -2) if state_v_first else initial_state
     return q * scale, k, v, g, beta, s0
+
+
+def delta_rule_step(state: Tensor, decay: Tensor, q_t: Tensor, k_t: Tensor, v_t: Tensor,
+                    beta_t: Tensor) -> tuple[Tensor, Tensor]:
+    """One timestep: returns (new state, out_t). State [..., Dk, Dv]; decay broadcasts to it.
+
+    ``S = S * decay; delta = (v_t - k_t^T S) * beta_t; S = S + k_t delta^T; out_t = q_t^T S``.
+    This is also the step the collapse pass searches for (gdn_fx.passes.patterns traces it),
+    so it is written the way the models write it: k_t unsqueezed once per use.
+    """
+    state = state * decay
+    kv = (state * k_t.unsqueeze(-1)).sum(dim=-2)
+    delta = (v_t - kv) * beta_t
+    state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+    return state, (state * q_t.unsqueeze(-1)).sum(dim=-2)
 
 
 def recurrent_delta_rule_reference(
@@ -83,11 +126,10 @@ def recurrent_delta_rule_reference(
     for seq, (start, end) in enumerate(_segments(q.shape[1], cu_seqlens)):
         state = s0 if cu_seqlens is None else s0[seq:seq + 1]
         for t in range(start, end):
-            state = state * g[:, t].exp().unsqueeze(-1)
-            kv = (state * k[:, t].unsqueeze(-1)).sum(-2)
-            delta = (v[:, t] - kv) * beta[:, t].unsqueeze(-1)
-            state = state + k[:, t].unsqueeze(-1) * delta.unsqueeze(-2)
-            outs.append((state * q[:, t].unsqueeze(-1)).sum(-2))
+            decay = g[:, t].unsqueeze(-1).exp()
+            state, out_t = delta_rule_step(state, decay, q[:, t], k[:, t], v[:, t],
+                                           beta[:, t].unsqueeze(-1))
+            outs.append(out_t)
         finals.append(state)
     out = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
     final = torch.cat(finals, dim=0)
@@ -119,16 +161,22 @@ def state_fp8_qdq_reference(state: Tensor, block_v: int = 64) -> Tensor:
     tile uses scale one. The gradient is the identity (straight-through): neither the scales
     nor the rounding contribute derivatives.
     """
-    dv = state.shape[-1]
-    tiles = []
-    for start in range(0, dv, block_v):
-        tile = state[..., start:start + block_v].detach()
-        amax = tile.abs().amax(dim=(-2, -1), keepdim=True)
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        coded = (tile / scale).to(torch.float8_e4m3fn).to(state.dtype)
-        tiles.append(coded * scale)
+    if block_v < 1:
+        raise ValueError(f"state_fp8_qdq_reference: block_v must be >= 1, got {block_v}")
+    tiles = [_qdq_tile(state[..., start:start + block_v].detach())
+             for start in range(0, state.shape[-1], block_v)]
     qdq = torch.cat(tiles, dim=-1) if tiles else state.detach()
     return state + (qdq - state).detach()
+
+
+def _qdq_tile(tile: Tensor) -> Tensor:
+    """E4M3 round trip of one [..., Dk, block] tile, scaled so its amax maps to E4M3_MAX."""
+    amax = tile.abs().amax(dim=(-2, -1), keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # Clamp: amax / (amax / 448) can round a hair above 448, and the cast of an out-of-range
+    # value is not saturating on every backend.
+    scaled = (tile / scale).clamp(-E4M3_MAX, E4M3_MAX)
+    return scaled.to(torch.float8_e4m3fn).to(tile.dtype) * scale
 
 
 def _chunk_terms(q, k, g, beta):
@@ -176,60 +224,80 @@ def chunk_gdn_reference(
 ) -> tuple[Tensor, Tensor]:
     """Exact chunk (WY) algebra of the gated delta rule, GDN or KDA gates.
 
-    Per chunk of C steps with cumulative log gate G: ``A = I + strict_lower(beta k k^T * e^(Gi-Gj))``
-    is unit lower triangular; ``U = A^-1 (beta v)``, ``W = A^-1 (beta k e^G)``; then
-    ``u = U - W S``, ``o = (q e^G) S + causal(q k^T e^(Gi-Gj)) u`` and
-    ``S' = e^(G_C) S + (k e^(G_C - G))^T u``.
-    ``w_quantizer`` sees the complete materialized W ``[B, T, Hv, Dk]`` once. With
-    ``state_qdq``, the initial state and each chunk's final state go through
-    :func:`state_fp8_qdq_reference` (after the chunk's readout of the previous state).
+    Per chunk of C steps with cumulative log gate G:
+    ``A = I + strict_lower(beta k k^T * e^(Gi-Gj))`` is unit lower triangular;
+    ``U = A^-1 (beta v)``, ``W = A^-1 (beta k e^G)``; then ``u = U - W S``,
+    ``o = (q e^G) S + causal(q k^T e^(Gi-Gj)) u`` and ``S' = e^(G_C) S + (k e^(G_C - G))^T u``.
+
+    ``w_quantizer`` sees the complete materialized W ``[B, T, Hv, Dk]`` once; its output (with
+    the quantizer's own autograd) is what multiplies the incoming states. With ``state_qdq``,
+    the initial state and each chunk's final state go through :func:`state_fp8_qdq_reference`
+    (after the chunk's readout of the previous state). T == 0 returns an empty output and the
+    (QDQ'd) initial state; there is then no W and the quantizer is not called.
     """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     q, k, v, g, beta, s0 = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens,
                                     state_v_first)
-    chunks = _chunk_bounds(q.shape[1], chunk_size, cu_seqlens)
-    solved = [_solve_chunk(q, k, v, g, beta, a, b) for _, a, b in chunks]
-    w_all = torch.cat([w.permute(0, 2, 1, 3) for *_, w in solved], dim=1)
-    if w_quantizer is not None:
-        w_all = w_quantizer(w_all)
-    qdq = (lambda s: state_fp8_qdq_reference(s, state_qdq_block_v)) if state_qdq else (lambda s: s)
-    outs, finals, state, seq_prev = [], [], None, -1
-    for (seq, a, b), (gc, qk, _, u, _) in zip(chunks, solved):
-        if seq != seq_prev:
-            if state is not None:
-                finals.append(state)
-            state = qdq(s0 if cu_seqlens is None else s0[seq:seq + 1])
-            seq_prev = seq
-        w = w_all[:, a:b].permute(0, 2, 1, 3)
-        out, state = _chunk_step(q[:, a:b], k[:, a:b], gc, qk, u, w, state)
-        state = qdq(state)
-        outs.append(out)
-    if state is None:  # T == 0: nothing to chunk
-        finals.append(qdq(s0))
-    else:
+    segments = _segments(q.shape[1], cu_seqlens)
+    chunks = [(a, min(a + chunk_size, end)) for start, end in segments
+              for a in range(start, end, chunk_size)]
+    solved = [_solve_chunk(q, k, v, g, beta, a, b) for a, b in chunks]
+    w_all = _materialize_w(solved, w_quantizer)
+
+    def qdq(state: Tensor) -> Tensor:
+        return state_fp8_qdq_reference(state, state_qdq_block_v) if state_qdq else state
+
+    outs, finals = [], []
+    for seq, (start, end) in enumerate(segments):
+        state = qdq(s0 if cu_seqlens is None else s0[seq:seq + 1])
+        for index, (a, b) in enumerate(chunks):
+            if start <= a < end:  # chunks never straddle two sequences
+                out, state = _chunk_step(q[:, a:b], k[:, a:b], solved[index], w_all[:, a:b], state)
+                state = qdq(state)  # after this chunk's readout of the previous state
+                outs.append(out)
         finals.append(state)
     out = torch.cat(outs, dim=1) if outs else v.new_zeros(v.shape)
-    final = torch.cat(finals, dim=0)
+    final = torch.cat(finals, dim=0)  # a new tensor: never aliases initial_state
     return out, final.transpose(-1, -2) if state_v_first else final
 
 
-def _chunk_bounds(total, chunk_size, cu_seqlens) -> list[tuple[int, int, int]]:
-    """(sequence index, start, end) of every chunk; chunks never straddle two sequences."""
-    return [(seq, a, min(a + chunk_size, end))
-            for seq, (start, end) in enumerate(_segments(total, cu_seqlens))
-            for a in range(start, end, chunk_size)]
+def _materialize_w(solved: list, w_quantizer: Optional[Callable[[Tensor], Tensor]]
+                   ) -> Optional[Tensor]:
+    """All chunks' W as one sequence-major [B, T, Hv, Dk] operand, through w_quantizer once.
+
+    With no chunk (T == 0) there is no W operand: None, and the quantizer is not called.
+    """
+    if not solved:
+        return None
+    w_all = torch.cat([w.permute(0, 2, 1, 3) for *_, w in solved], dim=1)
+    if w_quantizer is None:
+        return w_all
+    quantized = w_quantizer(w_all)
+    if quantized.shape != w_all.shape:
+        raise ShapeError(f"w_quantizer returned shape {list(quantized.shape)}; expected "
+                         f"{list(w_all.shape)}")
+    return quantized
 
 
-def _solve_chunk(q, k, v, g, beta, a, b):
+def _solve_chunk(q, k, v, g, beta, a: int, b: int) -> tuple[Tensor, ...]:
+    """Everything of chunk [a, b) that does not depend on the incoming state."""
     gc, qk, unit_lower = _chunk_terms(q[:, a:b], k[:, a:b], g[:, a:b], beta[:, a:b])
     u, w = _chunk_uw(k[:, a:b], v[:, a:b], gc, beta[:, a:b], unit_lower)
     return gc, qk, unit_lower, u, w
 
 
-def _chunk_step(q, k, gc, qk, u, w, state):
-    """Readout of one chunk from the incoming state, and the state it leaves behind."""
+def _chunk_step(q: Tensor, k: Tensor, solved: tuple, w: Tensor, state: Tensor
+                ) -> tuple[Tensor, Tensor]:
+    """Readout of one chunk from the incoming state, and the state it leaves behind.
+
+    ``w`` is the chunk's (possibly quantized) W, sequence-major [b, c, h, dk].
+    """
     def head_major(x):
         return x.permute(0, 2, 1, 3)
 
+    gc, qk, _, u, _ = solved
+    w = head_major(w)
     new_u = u - w @ state
     inter = head_major(q * gc.exp()) @ state
     out = inter + qk @ new_u
@@ -254,9 +322,11 @@ def causal_conv1d_update_reference(
     """
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
-    seq_len, width = x.shape[-1], conv_state.shape[-1]
+    seq_len, width, kernel = x.shape[-1], conv_state.shape[-1], weight.shape[-1]
+    if width < kernel - 1:
+        raise ShapeError(f"operand 'conv_state' keeps {width} samples; a kernel of width "
+                         f"{kernel} needs at least {kernel - 1}")
     full = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
-    kernel = weight.shape[-1]
     windows = full.unfold(-1, kernel, 1)[:, :, full.shape[-1] - kernel + 1 - seq_len:]
     out = (windows * weight.unsqueeze(1)).sum(-1)
     if bias is not None:

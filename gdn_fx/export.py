@@ -1,0 +1,108 @@
+"""``gdn_fx.export_nnef``: write a program holding fused gdn_fx nodes as NNEF for tract."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+from gdn_fx.errors import ExportRefused
+
+LOGGER = logging.getLogger("gdn_fx.lowering")
+PLUGIN = "gdn_fx.lowering.t2n_plugin"
+
+
+def _graph_module(program):
+    """The graph the passes work on: the ExportedProgram's own, or the GraphModule itself."""
+    return program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
+
+
+def _refuse_unrolled(program) -> None:
+    """A symbolic axis over an unrolled recurrence would be silently wrong past the traced
+    length (FACTS.md): refuse it, using the passes' detector when it exists."""
+    try:
+        from gdn_fx.passes import find_unrolled
+    except ImportError:
+        LOGGER.warning("gdn_fx.passes.find_unrolled is unavailable: the program was NOT checked "
+                       "for unrolled recurrences before exporting dynamic axes")
+        return
+    found = list(find_unrolled(_graph_module(program)))
+    if found:
+        raise ExportRefused(f"dynamic axes over a graph that still holds an unrolled recurrence "
+                            f"({', '.join(map(str, found))}): tract would be silently wrong "
+                            "beyond the traced length; collapse it first (gdn_fx.collapse)")
+
+
+def _writer_settings(path: Path) -> tuple[Path, Optional[int]]:
+    """(path handed to torch-to-nnef, compression level) for a folder, .tar or .tgz target."""
+    name = path.name
+    if name.endswith(".nnef"):
+        return path, None
+    if name.endswith(".nnef.tgz"):
+        return path, 0
+    if name.endswith(".nnef.tar"):
+        return path.with_name(name[: -len(".tar")]), 0
+    raise ValueError(f"NNEF path {path} must end with .nnef (a folder), .nnef.tar or .nnef.tgz")
+
+
+def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9",
+                dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None,
+                input_names: Optional[Sequence[str]] = None,
+                output_names: Optional[Sequence[str]] = None,
+                choose: Optional[Mapping] = None) -> Path:
+    """Write ``program`` (an ExportedProgram or GraphModule with gdn_fx nodes) as tract NNEF.
+
+    Each ``gated_delta_scan`` / ``causal_conv1d_update`` node is lowered by the first
+    candidate of the lowering table (gdn_fx.lowering.table) that accepts it on tract
+    ``tract_version``; every decision and rejection is logged on logger "gdn_fx.lowering" and
+    recorded in the NNEF's tract properties (key "gdn_fx_lowering", read it back with
+    ``gdn_fx.tract_check.read_decisions``). ``gdn_fx.lowering.plan_lowering`` shows the
+    decisions without exporting.
+
+    path: ``*.nnef`` writes a folder, ``*.nnef.tar`` / ``*.nnef.tgz`` an archive.
+    dynamic_axes: ``{input_name: {axis: symbol}}``, e.g. ``{"q": {1: "S"}, ...}`` for a
+        symbolic sequence axis; refused (ExportRefused) when the graph still holds an unrolled
+        recurrence (checked with ``gdn_fx.passes.find_unrolled`` when available).
+    input_names / output_names: NNEF names; inputs default to the program's placeholder names.
+    choose: force or forbid candidates: keys ``"*"``, an op name or a fused node name map to
+        one candidate name to force; ``"forbid"`` maps to a list of names (everywhere) or to a
+        dict of such keys to lists. Examples: ``{"*": "scan"}``,
+        ``{"gated_delta_scan_1": "native"}``, ``{"forbid": ["native"]}``. A forced candidate
+        that does not accept its node raises LoweringUnsupported.
+
+    Raises ShapeError / DTypeError naming the node and operand for operands that break an op
+    contract, LoweringUnsupported when no candidate accepts a node, ExportRefused as above.
+    Nothing is downloaded: torch-to-nnef's tract binary is never fetched nor run.
+    Returns the path written.
+    """
+    from torch_to_nnef.export import export_model_to_nnef
+
+    from gdn_fx.lowering import program as prog
+    from gdn_fx.lowering.bridge import to_bridge
+    from gdn_fx.lowering.offline_target import offline_tract_target
+    from gdn_fx.lowering.plan import plan, summary
+    from gdn_fx.lowering.target import Target
+
+    path = Path(path)
+    writer_path, compression = _writer_settings(path)
+    target = Target.parse(tract_version, dynamic=bool(dynamic_axes))
+    module = prog.traceable_module(program)
+    prog.refuse_bfloat16(module)
+    if dynamic_axes:
+        _refuse_unrolled(program)
+    decisions = plan(module, target, choose)
+    for decision in decisions:
+        LOGGER.info("export: %s", decision)
+    to_bridge(module, {d.node: d.candidate for d in decisions})
+    t2n_target = offline_tract_target(tract_version, dynamic_axes,
+                                      {"gdn_fx_lowering": summary(decisions)})
+    names = list(input_names) if input_names is not None else prog.input_names(module)
+    with torch.inference_mode():  # torch-to-nnef's slicing needs it (FACTS.md)
+        written = export_model_to_nnef(
+            module, prog.example_inputs(module), writer_path, t2n_target,
+            input_names=names, output_names=list(output_names) if output_names else None,
+            compression_level=compression, log_level=logging.WARNING,
+            load_extra_op_modules=[PLUGIN], strict_extra_imports=True)
+    return Path(written)

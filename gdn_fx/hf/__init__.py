@@ -1,0 +1,7 @@
+"""transformers helpers: tiny model families, an exportable decode step, and reify."""
+
+from gdn_fx.hf.configs import FAMILIES, tiny_config, tiny_model
+from gdn_fx.hf.decode import DecodeStep, hf_continue
+from gdn_fx.hf.states import StateSpec
+
+__all__ = ["FAMILIES", "DecodeStep", "StateSpec", "hf_continue", "tiny_config", "tiny_model"]

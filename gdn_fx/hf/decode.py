@@ -1,0 +1,134 @@
+"""An exportable step of a transformers hybrid causal LM, with its cache as explicit tensors.
+
+transformers' own export wrappers fail on linear-attention caches. :class:`DecodeStep` takes
+``(input_ids, *states)``, rebuilds a ``DynamicCache(config=...)`` from the states inside
+``forward``, runs the model, and returns ``(logits, *new_states)``: a pure function that
+``torch.export`` traces strict or non-strict. Input states are never mutated (they are cloned
+into the cache, and the cache's tensors are returned).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from gdn_fx.hf import patching
+from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
+from gdn_fx.hf.states import StateSpec, build_cache, check_states, discover_specs, read_cache
+
+RULES = ("auto", "recurrent")
+
+
+class DecodeStep(nn.Module):
+    """One step of ``model`` over ``S`` new tokens, continuing from explicit cache states.
+
+    ``rule="auto"`` runs what transformers runs: the recurrent rule and the conv update at
+    ``S == 1``, the chunk rule and the padded prefill conv otherwise. ``rule="recurrent"``
+    makes every step take the recurrent rule and ``causal_conv1d_update`` (so a prefill
+    export unrolls per token and can be collapsed). The swap of transformers' functions
+    happens inside ``forward`` and is undone when it returns.
+    """
+
+    def __init__(self, model: nn.Module, rule: str = "auto"):
+        super().__init__()
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.model = model
+        self.rule = rule
+        self.specs: list[StateSpec] = discover_specs(model)
+        self.modules_: list[patching.ModelingModule] = patching.modeling_modules(model)
+
+    @property
+    def input_names(self) -> list[str]:
+        """Names of the forward arguments: ``input_ids`` then one per state."""
+        return ["input_ids", *(s.name for s in self.specs)]
+
+    @property
+    def output_names(self) -> list[str]:
+        """Names of the outputs: ``logits`` then ``new_<state name>`` per state."""
+        return ["logits", *(f"new_{s.name}" for s in self.specs)]
+
+    def forward(self, input_ids: Tensor, *states: Tensor) -> tuple[Tensor, ...]:
+        check_states(self.specs, states, input_ids.shape[0])
+        swaps = patching.recurrent_swaps(self.modules_) if self.rule == "recurrent" else []
+        with patching.Patches(swaps):
+            linear_class = patching.DeferringLinearAttentionLayer if self._can_defer() else None
+            cache = build_cache(self.model.config, self.specs, [s.clone() for s in states],
+                                linear_class=linear_class)
+            out = self.model(input_ids=input_ids, cache=cache, use_cache=True)
+            if patching.PENDING.entry is not None:  # a deferred conv state was never written
+                patching.PENDING.entry = None
+                raise RuntimeError("a deferred conv-state update was not consumed: some "
+                                   "causal_conv1d_fn does not know gdn-fx's deferral")
+        return (out.logits, *read_cache(cache, self.specs))
+
+    def _can_defer(self) -> bool:
+        """Whether every conv function the model calls consumes deferred conv updates."""
+        convs = [getattr(m.module, patching.CONV_FN) for m in self.modules_ if m.has_conv]
+        return bool(convs) and all(patching.is_consumer(fn) for fn in convs)
+
+    def eager(self, *args: Tensor) -> tuple[Tensor, ...]:
+        """The step run eagerly (no autograd): the reference for an exported program."""
+        with torch.no_grad():
+            return self(*args)
+
+    def example_inputs(self, seq_len: int = 1, batch: int = 1, past_len: int = 4,
+                       source: str = "prefill", seed: int = 0) -> tuple[Tensor, ...]:
+        """``(input_ids, *states)`` for ``seq_len`` new tokens after ``past_len`` cached ones.
+
+        ``source="prefill"`` takes the states from a real transformers prefill of
+        ``past_len`` random tokens (realistic magnitudes; zeros when ``past_len`` is 0);
+        ``source="random"`` draws them (stronger tests of state handling).
+        """
+        gen = torch.Generator().manual_seed(seed)
+        prompt = _tokens(gen, batch, past_len, self._device())
+        ids = _tokens(gen, batch, seq_len, self._device())
+        if source == "prefill":
+            states = self.prefill_states(prompt)
+        elif source == "random":
+            states = [_random_state(s, batch, past_len, gen, self._device()) for s in self.specs]
+        else:
+            raise ValueError(f"source must be 'prefill' or 'random', got {source!r}")
+        return (ids, *states)
+
+    def prefill_states(self, prompt_ids: Tensor) -> list[Tensor]:
+        """The states transformers' own prefill of ``prompt_ids`` leaves (zeros if empty)."""
+        batch, past_len = prompt_ids.shape
+        if past_len == 0:
+            return [torch.zeros(s.shape_for(batch, 0), dtype=s.dtype, device=self._device())
+                    for s in self.specs]
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad():
+            self.model(input_ids=prompt_ids, cache=cache, use_cache=True)
+        return [t.clone() for t in read_cache(cache, self.specs)]
+
+    def _device(self) -> torch.device:
+        param = next(self.model.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+
+def _tokens(gen: torch.Generator, batch: int, length: int, device: torch.device) -> Tensor:
+    low, high = SAFE_TOKEN_RANGE
+    return torch.randint(low, high, (batch, length), generator=gen).to(device)
+
+
+def _random_state(spec: StateSpec, batch: int, past_len: int, gen: torch.Generator,
+                  device: torch.device) -> Tensor:
+    shape = spec.shape_for(batch, past_len)
+    scale = 0.5 if spec.kind == "recurrent" else 1.0
+    return (torch.randn(shape, generator=gen) * scale).to(spec.dtype).to(device)
+
+
+def hf_continue(model: nn.Module, prompt_ids: Tensor, input_ids: Tensor,
+                specs: Optional[Sequence[StateSpec]] = None) -> tuple[Tensor, ...]:
+    """transformers' own flow, independent of DecodeStep: prefill ``prompt_ids`` into a
+    ``DynamicCache``, run ``input_ids`` on it; returns ``(logits, *states)`` in spec order."""
+    specs = discover_specs(model) if specs is None else specs
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt_ids, cache=cache, use_cache=True)
+        out = model(input_ids=input_ids, cache=cache, use_cache=True)
+    return (out.logits, *read_cache(cache, specs))

@@ -1,0 +1,193 @@
+"""The cache of a transformers hybrid model as a flat list of named tensors, and back.
+
+A :class:`StateSpec` names one tensor a ``DynamicCache`` holds: a linear-attention layer's conv
+or recurrent state, an attention layer's keys or values, or a sparse-attention indexer's keys.
+Specs are discovered by running the model once on a short prompt and reading the cache it
+built, so they follow whatever each family stores (MLA caches, zero-width values, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+from transformers.cache_utils import (
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
+
+from gdn_fx.errors import DTypeError, ShapeError
+
+# kind -> (input-name stem, past-length axis or None)
+KINDS = {
+    "conv": ("conv_state", None),
+    "recurrent": ("recurrent_state", None),
+    "key": ("key", 2),
+    "value": ("value", 2),
+    "indexer_key": ("indexer_key", 1),
+}
+PROBE_LEN = 2  # tokens run once to discover what the cache holds
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One cached tensor: where it lives in the cache, and its shape at batch 1 / past 0."""
+
+    layer: int
+    kind: str  # a key of KINDS
+    slot: int  # state index inside a linear-attention layer (0 for attention tensors)
+    shape: tuple[int, ...]  # batch 1; past-length axis 0
+    dtype: torch.dtype
+    multi_slot: bool = False  # the layer holds several states of this kind: name carries slot
+
+    @property
+    def name(self) -> str:
+        """The input name, e.g. ``conv_state_0`` or ``key_3`` (a valid NNEF identifier)."""
+        stem = KINDS[self.kind][0]
+        suffix = f"_{self.slot}" if self.multi_slot else ""
+        return f"{stem}_{self.layer}{suffix}"
+
+    @property
+    def past_axis(self) -> Optional[int]:
+        """The axis that grows with the cached length (attention tensors), else None."""
+        return KINDS[self.kind][1]
+
+    def shape_for(self, batch: int, past_len: int) -> tuple[int, ...]:
+        """The tensor's shape for a batch size and a cached length."""
+        shape = [batch, *self.shape[1:]]
+        if self.past_axis is not None:
+            shape[self.past_axis] = past_len
+        return tuple(shape)
+
+
+def _layer_entries(index: int, layer) -> list[tuple[str, int, Tensor]]:
+    """(kind, slot, tensor) for every tensor one cache layer holds."""
+    found = []
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        for slot in range(layer.number_of_states):
+            for kind, table in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
+                if table[slot] is not None:
+                    found.append((kind, slot, table[slot]))
+    for kind, attr in (("key", "keys"), ("value", "values"), ("indexer_key", "indexer_keys")):
+        tensor = getattr(layer, attr, None)
+        if isinstance(tensor, Tensor):
+            found.append((kind, 0, tensor))
+    return found
+
+
+def discover_specs(model: nn.Module) -> list[StateSpec]:
+    """Run ``model`` once on a short prompt and describe every tensor its cache then holds."""
+    cache = DynamicCache(config=model.config)
+    ids = torch.full((1, PROBE_LEN), 3, dtype=torch.long, device=_device(model))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    specs = []
+    for index, layer in enumerate(cache.layers):
+        entries = _layer_entries(index, layer)
+        for kind, slot, tensor in entries:
+            shape = list(tensor.shape)
+            if KINDS[kind][1] is not None:
+                shape[KINDS[kind][1]] = 0
+            multi = sum(k == kind for k, _, _ in entries) > 1
+            specs.append(StateSpec(index, kind, slot, tuple(shape), tensor.dtype, multi))
+    return specs
+
+
+def _device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _check(spec: StateSpec, tensor: Tensor, batch: int) -> None:
+    """Raise ShapeError/DTypeError when a state tensor does not match its spec."""
+    axis = spec.past_axis
+    past = tensor.shape[axis] if axis is not None and tensor.dim() > axis else 0
+    want = spec.shape_for(batch, past)
+    if tuple(tensor.shape) != want:
+        what = ", any past length" if axis is not None else ""
+        raise ShapeError(f"state '{spec.name}' has shape {list(tensor.shape)}; expected "
+                         f"{list(want)} (batch {batch}{what})")
+    if tensor.dtype != spec.dtype:
+        raise DTypeError(f"state '{spec.name}' has dtype {tensor.dtype}; expected {spec.dtype}")
+
+
+def _fill_linear(layer, spec: StateSpec, tensor: Tensor) -> None:
+    """Install a conv/recurrent state the way LinearAttentionLayer's lazy init would."""
+    if layer.device is None:
+        layer.device, layer.dtype = tensor.device, tensor.dtype
+    if spec.kind == "conv":
+        layer.conv_states[spec.slot] = tensor
+        layer.conv_kernel_size[spec.slot] = tensor.shape[-1]
+        layer.is_conv_states_initialized[spec.slot] = True
+    else:
+        layer.recurrent_states[spec.slot] = tensor
+        layer.is_recurrent_states_initialized[spec.slot] = True
+    # Given states mean "continue from here": HF then takes its cached-decode branches.
+    layer.has_previous_state[spec.slot] = True
+
+
+def _fill_attention(layer, spec: StateSpec, tensor: Tensor) -> None:
+    """Install keys, values or indexer keys the way DynamicLayer.update would leave them."""
+    if spec.kind == "indexer_key":
+        layer.indexer_keys = tensor
+        layer.indexer_dtype, layer.indexer_device = tensor.dtype, tensor.device
+        layer.is_indexer_initialized = True
+        return
+    setattr(layer, "keys" if spec.kind == "key" else "values", tensor)
+    layer.device = tensor.device
+    layer.is_initialized = True
+    if isinstance(layer, DynamicSlidingWindowLayer) and spec.kind == "key":
+        layer.cumulative_length = tensor.shape[-2]
+        layer._sliding_window_tensor = layer._sliding_window_tensor.to(tensor.device)
+
+
+def build_cache(config, specs: Sequence[StateSpec], tensors: Sequence[Tensor],
+                linear_class: Optional[type] = None) -> DynamicCache:
+    """A fresh ``DynamicCache(config=...)`` holding ``tensors`` (used as given, not copied).
+
+    ``linear_class`` (a LinearAttentionLayer subclass) replaces the plain linear-attention
+    cache layers, e.g. to change how they update conv states.
+    """
+    if len(tensors) != len(specs):
+        raise ValueError(f"expected {len(specs)} state tensors "
+                         f"({', '.join(s.name for s in specs)}), got {len(tensors)}")
+    cache = DynamicCache(config=config)
+    if linear_class is not None:
+        for index, layer in enumerate(cache.layers):
+            if type(layer) is LinearAttentionLayer:
+                cache.layers[index] = linear_class(number_of_states=layer.number_of_states)
+    for spec, tensor in zip(specs, tensors):
+        layer = cache.layers[spec.layer]
+        if spec.kind in ("conv", "recurrent"):
+            _fill_linear(layer, spec, tensor)
+        else:
+            _fill_attention(layer, spec, tensor)
+    return cache
+
+
+def read_cache(cache: DynamicCache, specs: Sequence[StateSpec]) -> list[Tensor]:
+    """The tensors ``cache`` holds now, in ``specs`` order."""
+    out = []
+    for spec in specs:
+        layer = cache.layers[spec.layer]
+        if spec.kind == "conv":
+            out.append(layer.conv_states[spec.slot])
+        elif spec.kind == "recurrent":
+            out.append(layer.recurrent_states[spec.slot])
+        else:
+            attr = {"key": "keys", "value": "values", "indexer_key": "indexer_keys"}[spec.kind]
+            out.append(getattr(layer, attr))
+    return out
+
+
+def check_states(specs: Sequence[StateSpec], tensors: Sequence[Tensor], batch: int) -> None:
+    """Raise a clear error when the state tensors do not match the specs."""
+    if len(tensors) != len(specs):
+        raise ValueError(f"expected {len(specs)} state tensors "
+                         f"({', '.join(s.name for s in specs)}), got {len(tensors)}")
+    for spec, tensor in zip(specs, tensors):
+        _check(spec, tensor, batch)

@@ -1,0 +1,109 @@
+"""Load and run an NNEF export in the real tract engine (Python package) and compare with torch.
+
+    runnable = load(path)                      # tract.nnef().with_tract_transformers()...
+    outputs = run(path_or_runnable, inputs)    # numpy arrays, one per NNEF output
+    report = compare(path, torch_outputs, inputs)   # max relative error per output
+    read_decisions(path)                       # {node: candidate} recorded by export_nnef
+
+The relative error of an output is ``max|tract - torch| / max|torch|``; the default tolerance
+is 1e-4 when the torch output is f32 (or f64) and 1e-3 when it is f16.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+TOLERANCE = {torch.float16: 1e-3, torch.float32: 1e-4, torch.float64: 1e-4}
+_DECISIONS = re.compile(r'\(\s*"gdn_fx_lowering"\s*,\s*"([^"]*)"\s*\)')
+
+
+def load(path: Union[str, Path]):
+    """The NNEF at ``path`` (folder, .tar or .tgz) loaded and optimized by tract."""
+    import tract
+
+    return tract.nnef().with_tract_transformers().load(str(path)).into_runnable()
+
+
+def _numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bfloat16:
+            raise TypeError("tract has no bfloat16 input")
+        return x.detach().cpu().contiguous().numpy()
+    return np.ascontiguousarray(x)
+
+
+def run(model, inputs: Sequence) -> list[np.ndarray]:
+    """Run a path, a tract runnable, or a tract State on torch tensors or numpy arrays."""
+    if isinstance(model, (str, Path)):
+        model = load(model)
+    return [t.to_numpy() for t in model.run([_numpy(x) for x in inputs])]
+
+
+def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
+    """``max|got - want| / max|want|`` in float64 (absolute error when want is all zeros)."""
+    want64 = want.detach().double().cpu().numpy()
+    if tuple(got.shape) != tuple(want64.shape):
+        raise ValueError(f"tract output shape {tuple(got.shape)} != torch {tuple(want64.shape)}")
+    scale = float(np.abs(want64).max()) if want64.size else 0.0
+    diff = float(np.abs(got.astype(np.float64) - want64).max()) if want64.size else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Per-output relative errors of tract against torch, and whether all are within tolerance."""
+
+    errors: tuple[float, ...]
+    tolerances: tuple[float, ...]
+    dtypes: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(e <= t for e, t in zip(self.errors, self.tolerances))
+
+    def __str__(self) -> str:
+        return ", ".join(f"out{i} {d} rel.err {e:.2e} (tol {t:g})" for i, (e, t, d) in
+                         enumerate(zip(self.errors, self.tolerances, self.dtypes)))
+
+
+def compare(model, want: Sequence[torch.Tensor], inputs: Sequence,
+            tolerance: Optional[float] = None) -> Comparison:
+    """Run ``model`` in tract on ``inputs`` and compare each output with ``want`` (torch)."""
+    got = run(model, inputs)
+    if len(got) != len(want):
+        raise ValueError(f"tract returned {len(got)} outputs, torch {len(want)}")
+    for g, w in zip(got, want):
+        if g.dtype != torch.empty(0, dtype=w.dtype).numpy().dtype:
+            raise TypeError(f"tract output dtype {g.dtype} != torch {w.dtype}")
+    return Comparison(
+        errors=tuple(relative_error(g, w) for g, w in zip(got, want)),
+        tolerances=tuple(tolerance or TOLERANCE.get(w.dtype, 1e-4) for w in want),
+        dtypes=tuple(str(w.dtype).replace("torch.", "") for w in want))
+
+
+def nnef_text(path: Union[str, Path]) -> str:
+    """The graph.nnef text of an export (folder, .tar or .tgz)."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / "graph.nnef").read_text()
+    with tarfile.open(path) as archive:
+        for member in archive.getmembers():
+            if Path(member.name).name == "graph.nnef":
+                return io.TextIOWrapper(archive.extractfile(member), encoding="utf8").read()
+    raise FileNotFoundError(f"no graph.nnef in {path}")
+
+
+def read_decisions(path: Union[str, Path]) -> dict[str, str]:
+    """{fused node name: candidate} as recorded by ``gdn_fx.export_nnef`` in the NNEF."""
+    match = _DECISIONS.search(nnef_text(path))
+    if match is None or not match.group(1):
+        return {}
+    return dict(item.split("=", 1) for item in match.group(1).split(";"))

@@ -1,0 +1,38 @@
+"""Decide the lowering of every fused node of a graph, before anything is traced."""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch.fx as fx
+
+from gdn_fx.lowering.choice import Choice, validate
+from gdn_fx.lowering.fx_nodes import fused_nodes, node_facts
+from gdn_fx.lowering.program import Program, source_module
+from gdn_fx.lowering.table import Decision, candidate_names, decide
+from gdn_fx.lowering.target import Target
+
+
+def plan(module: fx.GraphModule, target: Target,
+         choose: Optional[Mapping] = None) -> list[Decision]:
+    """One Decision per fused node of ``module``, in graph order (see ``choice`` for choose)."""
+    facts = [node_facts(node) for node in fused_nodes(module.graph)]
+    choice = Choice.parse(choose)
+    validate(choice, {f.node: f.op for f in facts}, candidate_names())
+    return [decide(f, target, choice) for f in facts]
+
+
+def plan_lowering(program: Program, *, tract_version: str = "0.23.9",
+                  dynamic_axes: Optional[Mapping] = None,
+                  choose: Optional[Mapping] = None) -> list[Decision]:
+    """What ``gdn_fx.export_nnef`` would emit for each fused node, without exporting.
+
+    Same arguments as ``export_nnef``; returns the decisions (print them for a table).
+    """
+    target = Target.parse(tract_version, dynamic=bool(dynamic_axes))
+    return plan(source_module(program), target, choose)
+
+
+def summary(decisions: list[Decision]) -> str:
+    """``node=candidate;node=candidate`` (recorded in the exported NNEF's properties)."""
+    return ";".join(f"{d.node}={d.candidate}" for d in decisions)

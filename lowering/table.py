@@ -1,0 +1,104 @@
+"""THE lowering table: for each fused op, its candidates in order of preference.
+
+A candidate is a name, a pure check ``(facts, target) -> reason | None`` and an emitter
+``(EmitContext) -> fragments`` (the torch-to-nnef fragment keys / objects the NNEF needs).
+The first candidate whose check passes wins; every rejection is logged (logger
+``gdn_fx.lowering``) and kept in the returned ``Decision``. Native comes first for now; the
+benchmark issue decides the final order by measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from gdn_fx.errors import LoweringUnsupported
+from gdn_fx.lowering import conv_native, conv_portable, gdn_native, gdn_scan
+from gdn_fx.lowering.choice import Choice
+from gdn_fx.lowering.facts import ConvFacts, ScanFacts, describe
+from gdn_fx.lowering.target import Target
+
+LOGGER = logging.getLogger("gdn_fx.lowering")
+
+Facts = Union[ScanFacts, ConvFacts]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to write a fused op in NNEF."""
+
+    name: str
+    check: Callable[[Facts, Target], Optional[str]]
+    emit: Callable
+
+
+TABLE: dict[str, tuple[Candidate, ...]] = {
+    "gated_delta_scan": (
+        Candidate("native", gdn_native.check, gdn_native.emit),
+        Candidate("scan", gdn_scan.check, gdn_scan.emit),
+    ),
+    "causal_conv1d_update": (
+        Candidate("native", conv_native.check, conv_native.emit),
+        Candidate("portable", conv_portable.check, conv_portable.emit),
+    ),
+}
+
+
+def candidate_names() -> dict[str, tuple[str, ...]]:
+    """Op name -> its candidate names, in table order."""
+    return {op: tuple(c.name for c in cands) for op, cands in TABLE.items()}
+
+
+def candidate(op: str, name: str) -> Candidate:
+    """The table entry ``name`` of ``op`` (KeyError naming the valid ones otherwise)."""
+    for entry in TABLE[op]:
+        if entry.name == name:
+            return entry
+    raise KeyError(f"{op} has no candidate {name!r}; candidates: {candidate_names()[op]}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one fused node is lowered, and why the earlier candidates were not."""
+
+    node: str
+    op: str
+    candidate: str
+    rejected: tuple[tuple[str, str], ...] = ()
+    forced: bool = False
+
+    def __str__(self) -> str:
+        why = "; ".join(f"{name}: {reason}" for name, reason in self.rejected)
+        how = " (forced)" if self.forced else ""
+        return f"{self.node} [{self.op}] -> {self.candidate}{how}" + (f"  ({why})" if why else "")
+
+
+def _reject(facts: Facts, name: str, reason: str) -> tuple[str, str]:
+    LOGGER.info("%s [%s]: candidate %s rejected: %s", facts.node, facts.op, name, reason)
+    return name, reason
+
+
+def decide(facts: Facts, target: Target, choice: Optional[Choice] = None) -> Decision:
+    """The first acceptable candidate for one node; LoweringUnsupported when none is."""
+    choice = choice or Choice()
+    forced = choice.forced(facts.node, facts.op)
+    if forced not in candidate_names()[facts.op]:
+        forced = None  # a "*" value naming another op's candidate
+    forbidden = choice.forbidden(facts.node, facts.op)
+    rejected = []
+    for entry in TABLE[facts.op]:
+        if entry.name in forbidden or (forced is not None and entry.name != forced):
+            why = "forbidden by choose" if entry.name in forbidden else f"choose forces {forced}"
+            rejected.append(_reject(facts, entry.name, why))
+            continue
+        reason = entry.check(facts, target)
+        if reason is None:
+            decision = Decision(facts.node, facts.op, entry.name, tuple(rejected),
+                                forced is not None)
+            LOGGER.info("lowering %s", decision)
+            return decision
+        rejected.append(_reject(facts, entry.name, reason))
+    reasons = "; ".join(f"{name}: {why}" for name, why in rejected)
+    raise LoweringUnsupported(f"node '{facts.node}' ({facts.op}, {describe(facts)}) on tract "
+                              f"{target.version_text}: no candidate accepts it ({reasons})")

@@ -1,0 +1,202 @@
+"""How an unrolled loop gathers its per-step outputs out_t into one [.., T, ..] tensor.
+
+Four encodings reach us, one per way of exporting ``buf[:, :, t] = out_t`` or a stack:
+    in-place:  copy_(select(buf, axis, t), out_t)                    (training IR, make_fx)
+    scatter:   buf' = select_scatter(buf, copy(select(buf, axis, t), out_t), axis, t)
+    where:     buf' = where(arange(T) == t, expand(unsqueeze(copy(..), axis)), buf)  (core aten)
+    stack:     stack([out_0, ..., out_T-1], axis)  or  cat([unsqueeze(out_t, axis)...], axis)
+Every position 0..T-1 must be written exactly once, in order, so the buffer's initial content
+never shows; the gathered value is then exactly the fused op's output along ``axis``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import fx
+
+from gdn_fx.passes.program import shape
+from gdn_fx.passes.result import NoMatch
+
+ATEN = torch.ops.aten
+
+
+@dataclass
+class Gathered:
+    """The node holding all T outputs, its time axis, and write nodes to erase first."""
+
+    value: fx.Node
+    axis: int
+    erase: list = field(default_factory=list)  # in-place writes: no data edge, erase explicitly
+
+
+def gather(outs: list[fx.Node], order: dict) -> Gathered:
+    """Recognize how ``outs`` (out_0..out_T-1) are gathered; raise NoMatch with the reason."""
+    first = _only_user(outs[0], 0)
+    if first.target is ATEN.unsqueeze.default and len(first.users) == 1:
+        first = next(iter(first.users))  # core aten spells stack as cat of unsqueezes
+    if first.target in (ATEN.stack.default, ATEN.cat.default):
+        return _stacked(outs, first)
+    if first.target is ATEN.copy_.default:
+        return _in_place(outs, order)
+    if first.target is ATEN.copy.default:
+        return _functional(outs)
+    raise NoMatch(f"the output of step 0 goes to {first.name}, not to a buffer write or a stack",
+                  node=first, step=0)
+
+
+def _only_user(node: fx.Node, step: int) -> fx.Node:
+    if len(node.users) != 1:
+        raise NoMatch(f"the step output {node.name} has {len(node.users)} users, expected one "
+                      "write", node=node, step=step)
+    return next(iter(node.users))
+
+
+def _time_select(node, buf, axis, t, step) -> int:
+    """Check ``node`` is select(buf, axis, t); return the axis (normalized)."""
+    if node.target is not ATEN.select.int or node.args[0] is not buf:
+        raise NoMatch(f"step {step} writes through {node.name}, not a select of the buffer",
+                      node=node, step=step)
+    dim, index = node.args[1] % len(shape(buf)), node.args[2]
+    if index != t or (axis is not None and dim != axis):
+        raise NoMatch(f"writes buffer position {index} on axis {dim}, expected {t} on {axis}",
+                      node=node, step=step)
+    return dim
+
+
+def _in_place(outs: list[fx.Node], order: dict) -> Gathered:
+    buf, axis, erase = None, None, []
+    for t, out in enumerate(outs):
+        write = _only_user(out, t)
+        if write.target is not ATEN.copy_.default or write.args[1] is not out or write.users:
+            raise NoMatch(f"step {t} output is not written with copy_", node=write, step=t)
+        view = write.args[0]
+        buf = view.args[0] if buf is None else buf
+        axis = _time_select(view, buf, axis, t, t)
+        if len(view.users) != 1:
+            raise NoMatch("the buffer slice is read besides the write", node=view, step=t)
+        erase += [write, view]
+    _check_buffer(buf, axis, len(outs))
+    last = max(order[n] for n in erase)
+    early = [u for u in buf.users if u not in erase and order[u] < last]
+    if early:
+        raise NoMatch(f"{early[0].name} reads the output buffer before the loop has filled it",
+                      node=early[0])
+    mutating = [u for u in buf.users if u not in erase and _mutates(u)]
+    if mutating:
+        raise NoMatch(f"{mutating[0].name} writes the output buffer after the loop",
+                      node=mutating[0])
+    return Gathered(buf, axis, erase)
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _check_buffer(buf: fx.Node, axis: int, length: int) -> None:
+    if buf.op != "call_function":
+        raise NoMatch(f"the output buffer {buf.name} is a graph input; writing it is a side "
+                      "effect the fused node would drop", node=buf)
+    if shape(buf)[axis] != length:
+        raise NoMatch(f"the output buffer has {shape(buf)[axis]} positions on axis {axis}, the "
+                      f"loop writes {length}", node=buf)
+
+
+def _functional(outs: list[fx.Node]) -> Gathered:
+    buf, axis = None, None
+    for t, out in enumerate(outs):
+        copy = _only_user(out, t)
+        view = copy.args[0]
+        if copy.target is not ATEN.copy.default or copy.args[1] is not out:
+            raise NoMatch(f"step {t} output is not written with copy", node=copy, step=t)
+        buf = view.args[0] if buf is None else buf
+        axis = _time_select(view, buf, axis, t, t)
+        if t == 0:
+            _check_buffer(buf, axis, len(outs))
+        buf = _next_buffer(copy, buf, axis, t, len(outs))
+    return Gathered(buf, axis)
+
+
+def _next_buffer(copy: fx.Node, buf: fx.Node, axis: int, t: int, length: int) -> fx.Node:
+    """The buffer value after step t's write (select_scatter or the core-aten where form)."""
+    user = _only_user(copy, t)
+    if user.target is ATEN.select_scatter.default:
+        if user.args[0] is not buf or user.args[2] % len(shape(buf)) != axis or user.args[3] != t:
+            raise NoMatch("select_scatter writes another buffer or position", node=user, step=t)
+        nxt = user
+    else:
+        nxt = _where_write(user, buf, axis, t, length)
+    if t < length - 1:
+        readers = [u for u in nxt.users if u.target is ATEN.select.int]
+        if len(nxt.users) != 2 or len(readers) != 1:
+            raise NoMatch(f"the buffer after step {t} is read outside the loop", node=nxt, step=t)
+    return nxt
+
+
+def _where_write(unsq: fx.Node, buf: fx.Node, axis: int, t: int, length: int) -> fx.Node:
+    """where(arange(0, T).view(..) == t, expand(unsqueeze(copy, axis)), buf)."""
+    if unsq.target is not ATEN.unsqueeze.default or unsq.args[1] % len(shape(buf)) != axis:
+        raise NoMatch("the step output is not scattered into the buffer", node=unsq, step=t)
+    expand = _only_user(unsq, t)
+    where = _only_user(expand, t) if expand.target is ATEN.expand.default else expand
+    if where.target is not ATEN.where.self or where.args[1] is not expand or where.args[2] is not buf:
+        raise NoMatch("the step output is not merged with where", node=where, step=t)
+    if _where_position(where.args[0], axis, len(shape(buf))) != (t, length):
+        raise NoMatch(f"the where mask does not select position {t} of {length}", node=where,
+                      step=t)
+    return where
+
+
+def _where_position(mask: fx.Node, axis: int, rank: int) -> Optional[tuple]:
+    """(t, T) for eq(view(arange(0, T, 1), [.. -1 at axis ..]), t), else None."""
+    if mask.target is not ATEN.eq.Scalar:
+        return None
+    view = mask.args[0]
+    if view.target is not ATEN.view.default:
+        return None
+    arange = view.args[0]
+    want_view = [-1 if i == axis else 1 for i in range(rank)]
+    if arange.target is not ATEN.arange.start_step or list(view.args[1]) != want_view:
+        return None
+    start, end = arange.args[0], arange.args[1]
+    step = arange.args[2] if len(arange.args) > 2 else 1
+    if start != 0 or step != 1:
+        return None
+    return mask.args[1], end
+
+
+def _stacked(outs: list[fx.Node], node: fx.Node) -> Gathered:
+    items = list(node.args[0])
+    rank = len(shape(node))
+    axis = (node.args[1] if len(node.args) > 1 else 0) % rank
+    if node.target is ATEN.cat.default and items == list(outs):
+        node, axis = _cat_then_view(node, outs)  # stack decomposed as view(cat(outs))
+    elif node.target is ATEN.cat.default:
+        items = [_unsqueezed(item, axis) for item in items]
+    if items != list(outs):
+        raise NoMatch("the stacked values are not the step outputs 0..T-1 in order", node=node)
+    for t, out in enumerate(outs):
+        _only_user(out, t)
+    return Gathered(node, axis)
+
+
+def _cat_then_view(cat: fx.Node, outs: list[fx.Node]) -> tuple[fx.Node, int]:
+    """view(cat(outs, d), s[:d] + [T] + s[d:]) is stack(outs, d)."""
+    each = list(shape(outs[0]))
+    axis = (cat.args[1] if len(cat.args) > 1 else 0) % len(each)
+    view = next(iter(cat.users)) if len(cat.users) == 1 else None
+    stacked = each[:axis] + [len(outs)] + each[axis:]
+    if view is None or view.target is not ATEN.view.default or list(view.args[1]) != stacked:
+        raise NoMatch("the step outputs are concatenated, not stacked", node=cat)
+    return view, axis
+
+
+def _unsqueezed(node: fx.Node, axis: int) -> Optional[fx.Node]:
+    """x for unsqueeze(x, axis) read only by the cat, else None."""
+    if (node.target is ATEN.unsqueeze.default and len(node.users) == 1
+            and node.args[1] % len(shape(node)) == axis):
+        return node.args[0]
+    return None

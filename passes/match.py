@@ -1,0 +1,216 @@
+"""Lockstep matching of a traced pattern graph against a program graph, with reasons.
+
+A pattern is a plain torch function traced through torch.export; matching walks the pattern
+from one anchor output back to its placeholders, comparing op targets and argument structure.
+Structural differences stop the match (with a reason naming the node). Literal differences do
+not stop it: they are recorded as defects, so a region that is right in shape but wrong in a
+constant (a sum over the wrong dim) still explains itself. Dims are compared after
+normalization by rank, so ``sum(x, [2])`` on a rank-4 tensor equals ``sum(x, [-2])``.
+
+Select indices are bindings, not literals: every ``select`` in one match must read the same
+index (the timestep), which the caller checks against the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from gdn_fx.passes.program import shape
+from gdn_fx.passes.result import NoMatch
+
+ATEN = torch.ops.aten
+COMMUTATIVE = {ATEN.add.Tensor, ATEN.mul.Tensor}
+SELECT = ATEN.select.int
+
+
+def op_name(target: Any) -> str:
+    """A short printable name for a node target (``aten.sum.dim_IntList``)."""
+    return str(target).replace("torch.ops.", "") if not isinstance(target, str) else target
+
+
+@dataclass
+class Pattern:
+    """A traced pattern: its graph, named outputs and the output the match starts from."""
+
+    name: str
+    graph: fx.Graph
+    outputs: dict  # output name -> pattern node
+    anchor: str  # the output from which every pattern node is reachable backwards
+
+    def targets(self) -> set:
+        """The op overloads the pattern calls."""
+        return {n.target for n in self.graph.nodes if n.op == "call_function"}
+
+
+@dataclass
+class Match:
+    """Pattern-node -> graph-node mapping, placeholder bindings, literal defects."""
+
+    pattern: Pattern
+    nodes: dict = field(default_factory=dict)  # pattern node -> graph node
+    index: Optional[int] = None  # the time index all selects read
+    defects: list = field(default_factory=list)  # (reason, graph node)
+
+    def bound(self, name: str) -> Optional[fx.Node]:
+        """The graph node bound to the pattern placeholder ``name`` (None if not bound)."""
+        for p, n in self.nodes.items():
+            if p.op == "placeholder" and p.target == name:
+                return n
+        return None
+
+    def out(self, name: str) -> fx.Node:
+        """The graph node matched to the pattern output ``name``."""
+        return self.nodes[self.pattern.outputs[name]]
+
+    def inner(self) -> list[fx.Node]:
+        """Matched graph nodes that are neither placeholders nor outputs."""
+        outs = set(self.pattern.outputs.values())
+        return [n for p, n in self.nodes.items() if p.op != "placeholder" and p not in outs]
+
+
+def _rank_for_dims(node: fx.Node) -> Optional[int]:
+    """The rank a node's dim arguments are taken modulo (unsqueeze counts its new axis)."""
+    ref = node if node.target is ATEN.unsqueeze.default else node.args[0]
+    dims = shape(ref)
+    return len(dims) if dims is not None else None
+
+
+def _normalize_dims(value: Any, rank: Optional[int]) -> Any:
+    if rank is None or rank == 0:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value % rank
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return sorted(v % rank for v in value)
+    return value
+
+
+def _all_args(node: fx.Node) -> dict:
+    """Every argument by schema name, defaults filled in (exports differ in what they spell)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return {**{str(i): a for i, a in enumerate(node.args)}, **node.kwargs}
+    out = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+class _Walk:
+    """One attempt to match ``pattern`` with its anchor at a graph node."""
+
+    def __init__(self, pattern: Pattern):
+        self.m = Match(pattern)
+
+    def node(self, p: fx.Node, n: Any) -> None:
+        if p.op == "placeholder":
+            return self._bind(p, n)
+        if not isinstance(n, fx.Node) or n.op != "call_function":
+            raise NoMatch(f"expected {op_name(p.target)}, found {n!r}", node=n)
+        if p in self.m.nodes:
+            if self.m.nodes[p] is not n:
+                raise NoMatch(f"{op_name(p.target)} is read from two different nodes", node=n)
+            return None
+        if n in self.m.nodes.values():
+            raise NoMatch(f"node is used for two pattern nodes ({op_name(p.target)})", node=n)
+        if n.target != p.target:
+            raise NoMatch(f"expected {op_name(p.target)}, found {op_name(n.target)}", node=n)
+        self.m.nodes[p] = n
+        self._args(p, n)
+        return None
+
+    def _bind(self, p: fx.Node, n: Any) -> None:
+        old = self.m.nodes.get(p)
+        if old is not None and old is not n:
+            raise NoMatch(f"operand '{p.name}' is read from {old.name} and {getattr(n, 'name', n)}",
+                          node=n)
+        self.m.nodes[p] = n
+
+    def _args(self, p: fx.Node, n: fx.Node) -> None:
+        p_args, n_args = _all_args(p), _all_args(n)
+        if p_args.keys() != n_args.keys():
+            raise NoMatch(f"{op_name(n.target)} takes other arguments than the pattern", node=n)
+        for name in [k for k in p_args if k not in ("self", "other")]:
+            self._arg(p, n, name, p_args[name], n_args[name])
+        if p.target in COMMUTATIVE:
+            return self._commutative(p, n, p_args, n_args)
+        for name in [k for k in p_args if k in ("self", "other")]:
+            self._arg(p, n, name, p_args[name], n_args[name])
+        return None
+
+    def _commutative(self, p: fx.Node, n: fx.Node, p_args: dict, n_args: dict) -> None:
+        """Operands in the written order, else swapped (``a * b`` is ``b * a``)."""
+        saved = (dict(self.m.nodes), self.m.index, list(self.m.defects))
+        try:
+            self._arg(p, n, "self", p_args["self"], n_args["self"])
+            self._arg(p, n, "other", p_args["other"], n_args["other"])
+        except NoMatch as first:
+            self.m.nodes, self.m.index, self.m.defects = dict(saved[0]), saved[1], list(saved[2])
+            try:
+                self._arg(p, n, "other", p_args["self"], n_args["other"])
+                self._arg(p, n, "self", p_args["other"], n_args["self"])
+            except NoMatch:
+                raise first from None
+
+    def _arg(self, p: fx.Node, n: fx.Node, name: str, pa: Any, na: Any) -> None:
+        if isinstance(pa, fx.Node):
+            return self.node(pa, na)
+        if isinstance(na, fx.Node):
+            raise NoMatch(f"{op_name(n.target)} {name} is a tensor, expected {pa!r}", node=n)
+        if isinstance(pa, (list, tuple)) and any(isinstance(x, fx.Node) for x in pa):
+            if not isinstance(na, (list, tuple)) or len(pa) != len(na):
+                raise NoMatch(f"{op_name(n.target)} {name} has another length", node=n)
+            for x, y in zip(pa, na):
+                self._arg(p, n, name, x, y)
+            return None
+        return self._literal(p, n, name, pa, na)
+
+    def _literal(self, p: fx.Node, n: fx.Node, name: str, pa: Any, na: Any) -> None:
+        if n.target is SELECT and name == "index":
+            if self.m.index is None:
+                self.m.index = na
+            elif self.m.index != na:
+                self.m.defects.append((f"selects time index {na}, the step reads {self.m.index}",
+                                       n))
+            return
+        if name == "dim":
+            pa, na = _normalize_dims(pa, _rank_for_dims(p)), _normalize_dims(na, _rank_for_dims(n))
+        if pa != na and not _same_float(pa, na):
+            self.m.defects.append((f"{op_name(n.target)} {name}={na!r}, expected {pa!r}", n))
+
+
+def _same_float(a: Any, b: Any) -> bool:
+    return isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-12 * max(1, abs(a))
+
+
+def match_at(pattern: Pattern, anchor: fx.Node) -> Match:
+    """Match ``pattern`` with its anchor output at ``anchor``; raises NoMatch on structure.
+
+    The returned Match may carry literal defects; it is a full structural match.
+    A NoMatch raised here carries the partial match as ``partial``.
+    """
+    walk = _Walk(pattern)
+    try:
+        walk.node(pattern.outputs[pattern.anchor], anchor)
+    except NoMatch as err:
+        err.partial = walk.m
+        raise
+    missing = [p for p in pattern.graph.nodes if p.op == "call_function" and p not in walk.m.nodes]
+    if missing:  # pattern nodes unreachable from the anchor (a pattern bug, not a graph one)
+        raise AssertionError(f"pattern {pattern.name}: {missing} unreachable from the anchor")
+    return walk.m
+
+
+def outside_users(match: Match) -> list[tuple[fx.Node, fx.Node]]:
+    """(inner node, user) pairs where a matched inner value is read outside the match."""
+    inside = set(match.nodes.values())
+    return [(n, u) for n in match.inner() for u in n.users if u not in inside]

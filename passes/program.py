@@ -1,0 +1,115 @@
+"""Program plumbing shared by the rules: unwrap, node metadata, dead code, signature sync."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from gdn_fx.errors import UnsupportedProgram
+
+ATEN = torch.ops.aten
+ASSERT_META = ATEN._assert_tensor_metadata.default
+
+
+def graph_module_of(program: Any) -> tuple[fx.GraphModule, Optional[torch.export.ExportedProgram]]:
+    """The GraphModule to rewrite in place, and the ExportedProgram around it (or None)."""
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.graph_module, program
+    if isinstance(program, fx.GraphModule):
+        return program, None
+    raise UnsupportedProgram(
+        f"expected a torch.export.ExportedProgram or torch.fx.GraphModule, got {type(program)}")
+
+
+def val(node: Any) -> Any:
+    """The fake value recorded for a node (meta['val']), or None for literals/unknowns."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def shape(node: Any) -> Optional[tuple]:
+    """The node's tensor shape as a tuple, or None when it has no tensor metadata."""
+    value = val(node)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def dtype(node: Any) -> Optional[torch.dtype]:
+    value = val(node)
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def fake_mode_of(graph: fx.Graph) -> FakeTensorMode:
+    """The fake mode behind the graph's metadata, or a fresh one when there is none shared.
+
+    torch.export uses one mode (symbolic sizes live there); make_fx on real tensors gives every
+    value its own, with concrete sizes, which a fresh mode can rebuild.
+    """
+    values = [val(n) for n in graph.nodes if isinstance(val(n), FakeTensor)]
+    modes = {id(v.fake_mode): v.fake_mode for v in values}
+    return next(iter(modes.values())) if len(modes) == 1 else FakeTensorMode()
+
+
+def _in_mode(value: Any, mode: FakeTensorMode) -> Any:
+    if not isinstance(value, torch.Tensor) or getattr(value, "fake_mode", None) is mode:
+        return value
+    with mode:
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                   device=value.device)
+
+
+def add_node(graph: fx.Graph, target: Callable, args: tuple, kwargs: Optional[dict] = None,
+             mode: Optional[FakeTensorMode] = None) -> fx.Node:
+    """Create a call_function node (at the graph's insert point) with its meta['val'] filled."""
+    node = graph.call_function(target, args, kwargs or {})
+    mode = mode or fake_mode_of(graph)
+    fake_args = fx.node.map_arg(args, lambda n: _in_mode(val(n), mode))
+    fake_kwargs = fx.node.map_arg(kwargs or {}, lambda n: _in_mode(val(n), mode))
+    with mode:
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
+
+
+def _removable(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.users:
+        return False
+    if node.target is ASSERT_META:  # checks a value nothing else reads any more
+        arg = node.args[0]
+        return all(user.target is ASSERT_META for user in arg.users)
+    return not node.is_impure()
+
+
+def remove_dead(graph: fx.Graph) -> None:
+    """Dead-code elimination that also drops metadata asserts on otherwise dead values."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if _removable(node):
+                graph.erase_node(node)
+                changed = True
+
+
+def finish(gm: fx.GraphModule, ep: Optional[torch.export.ExportedProgram]) -> None:
+    """Clean up after rewrites: dead code, lint, recompile, and the export signature's names."""
+    remove_dead(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    if ep is not None:
+        _sync_output_names(gm, ep)
+
+
+def _sync_output_names(gm: fx.GraphModule, ep: torch.export.ExportedProgram) -> None:
+    """Output specs name graph nodes; a rewrite may have replaced the node an output reads."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    renames = {}
+    for spec, arg in zip(ep.graph_signature.output_specs, outputs):
+        if isinstance(arg, fx.Node) and hasattr(spec.arg, "name") and spec.arg.name != arg.name:
+            renames[spec.arg.name] = arg.name
+            spec.arg.name = arg.name
+    for entry in ep.module_call_graph:
+        if entry.signature is not None:
+            for out in entry.signature.outputs:
+                if getattr(out, "name", None) in renames:
+                    out.name = renames[out.name]
