@@ -1,6 +1,17 @@
-"""gdn-fx: collapse unrolled gated-delta-net recurrences into one op and lower it to tract."""
+"""gdn-fx: collapse unrolled gated-delta-net recurrences into one op and lower it to tract.
+
+    import gdn_fx
+    result = gdn_fx.collapse(program)        # ExportedProgram or GraphModule, rewritten copy
+    result.program, result.counts, result.misses
+    gdn_fx.graph_diff(before, after)         # structural diff, readable with str()
+    gdn_fx.export_nnef(result.program, "model.nnef.tgz")   # NNEF for tract
+"""
 
 from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
+from gdn_fx.diff import GraphDiff, graph_diff
 from gdn_fx.errors import GdnFxError
+from gdn_fx.export import export_nnef
+from gdn_fx.passes import CollapseResult, Miss, collapse, find_unrolled
 
-__all__ = ["GdnFxError", "ops"]
+__all__ = ["CollapseResult", "GdnFxError", "GraphDiff", "Miss", "collapse", "export_nnef",
+           "find_unrolled", "graph_diff", "ops"]

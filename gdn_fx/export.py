@@ -63,8 +63,9 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
 
     path: ``*.nnef`` writes a folder, ``*.nnef.tar`` / ``*.nnef.tgz`` an archive.
     dynamic_axes: ``{input_name: {axis: symbol}}``, e.g. ``{"q": {1: "S"}, ...}`` for a
-        symbolic sequence axis; refused (ExportRefused) when the graph still holds an unrolled
-        recurrence (checked with ``gdn_fx.passes.find_unrolled`` when available).
+        symbolic sequence axis (each symbol is declared >= 1 to tract); refused
+        (ExportRefused) when the graph still holds an unrolled recurrence (checked with
+        ``gdn_fx.passes.find_unrolled`` when available).
     input_names / output_names: NNEF names; inputs default to the program's placeholder names.
     choose: force or forbid candidates: keys ``"*"``, an op name or a fused node name map to
         one candidate name to force; ``"forbid"`` maps to a list of names (everywhere) or to a
@@ -77,12 +78,9 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
     Nothing is downloaded: torch-to-nnef's tract binary is never fetched nor run.
     Returns the path written.
     """
-    from torch_to_nnef.export import export_model_to_nnef
-
     from gdn_fx.lowering import program as prog
     from gdn_fx.lowering.bridge import to_bridge
-    from gdn_fx.lowering.offline_target import offline_tract_target
-    from gdn_fx.lowering.plan import plan, summary
+    from gdn_fx.lowering.plan import plan
     from gdn_fx.lowering.target import Target
 
     path = Path(path)
@@ -92,17 +90,31 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
     prog.refuse_bfloat16(module)
     if dynamic_axes:
         _refuse_unrolled(program)
-    decisions = plan(module, target, choose)
-    for decision in decisions:
-        LOGGER.info("export: %s", decision)
+    decisions = plan(module, target, choose)  # logs every decision and rejection
     to_bridge(module, {d.node: d.candidate for d in decisions})
+    names = list(input_names) if input_names is not None else prog.input_names(module)
+    return _write(module, writer_path, compression, tract_version, dynamic_axes, decisions,
+                  names, list(output_names) if output_names else None)
+
+
+def _write(module, writer_path: Path, compression: Optional[int], tract_version: str,
+           dynamic_axes, decisions, input_names: list, output_names: Optional[list]) -> Path:
+    """Trace the bridged module with torch-to-nnef (offline target) and write the NNEF."""
+    from torch_to_nnef.export import export_model_to_nnef
+
+    from gdn_fx.lowering.offline_target import offline_tract_target
+    from gdn_fx.lowering.plan import summary
+    from gdn_fx.lowering.program import example_inputs
+
     t2n_target = offline_tract_target(tract_version, dynamic_axes,
                                       {"gdn_fx_lowering": summary(decisions)})
-    names = list(input_names) if input_names is not None else prog.input_names(module)
+    # Symbols are extents (>= 1); without saying so tract keeps slower generic ops (FACTS.md).
+    symbols = sorted({str(s) for axes in (dynamic_axes or {}).values()
+                      for s in (axes.values() if isinstance(axes, Mapping) else [])})
     with torch.inference_mode():  # torch-to-nnef's slicing needs it (FACTS.md)
         written = export_model_to_nnef(
-            module, prog.example_inputs(module), writer_path, t2n_target,
-            input_names=names, output_names=list(output_names) if output_names else None,
-            compression_level=compression, log_level=logging.WARNING,
-            load_extra_op_modules=[PLUGIN], strict_extra_imports=True)
+            module, example_inputs(module), writer_path, t2n_target,
+            input_names=input_names, output_names=output_names, compression_level=compression,
+            log_level=logging.WARNING, load_extra_op_modules=[PLUGIN], strict_extra_imports=True,
+            custom_extensions=[f"tract_assert {s} >= 1" for s in symbols])
     return Path(written)

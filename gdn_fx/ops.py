@@ -55,7 +55,8 @@ def check_scan_operands(q, k, v, g, beta, initial_state) -> None:
     _expect(SCAN, "k", k, _shape(q))
     _expect(SCAN, "v", v, [b, t, hv, dv])
     if hk == 0 or hv % hk:
-        raise ShapeError(f"{SCAN}: value heads {hv} must be a multiple of key heads {hk}")
+        raise ShapeError(f"{SCAN}: operand 'v' has {hv} heads, not a multiple of the {hk} heads "
+                         "of 'q' and 'k'")
     _expect(SCAN, "g", g, [b, t, hv], [b, t, hv, dk])
     _expect(SCAN, "beta", beta, [b, t, hv])
     _expect(SCAN, "initial_state", initial_state, [b, hv, dk, dv])

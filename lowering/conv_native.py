@@ -33,8 +33,8 @@ def _first_form_reason(facts: ConvFacts, target: Target, dtype: str) -> Optional
     if target.dynamic:
         return f"tract {version} runs one step and the export has symbolic axes"
     if facts.seq != 1 or facts.batch != 1:
-        return f"tract {version} runs one step of one sequence; node has B={facts.batch}, " \
-               f"S={facts.seq}"
+        shape = f"B={facts.batch}, S={facts.seq}".replace("None", "symbolic")
+        return f"tract {version} runs one step of one sequence; node has {shape}"
     return None
 
 

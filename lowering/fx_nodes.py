@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from gdn_fx import ops
-from gdn_fx.errors import DTypeError, ShapeError, UnsupportedProgram
+from gdn_fx.errors import DTypeError, LoweringUnsupported, ShapeError, UnsupportedProgram
 from gdn_fx.lowering.facts import (CONV_OPERANDS, SCAN_OPERANDS, ConvFacts, ScanFacts,
                                    dtype_name, static_dim)
 
@@ -55,8 +55,8 @@ def _checked(node: fx.Node, check, *values) -> None:
         check(*values)
     except (ShapeError, DTypeError) as err:
         raise type(err)(f"node '{node.name}': {err}") from None
-    except ValueError as err:  # e.g. an activation the contract does not know
-        raise ShapeError(f"node '{node.name}': {err}") from None
+    except ValueError as err:  # an activation outside the contract: nothing can lower it
+        raise LoweringUnsupported(f"node '{node.name}': {err}") from None
 
 
 def _shape(val: torch.Tensor) -> tuple:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 from nnef_tools.model import Graph as NGraph
 from nnef_tools.model import Operation as NOperation
 from nnef_tools.model import Tensor as NTensor
@@ -75,7 +76,8 @@ def _first_form_reason(facts: ScanFacts, target: Target) -> Optional[str]:
     if target.dynamic:
         return f"tract {target.version_text} decodes one step and the export has symbolic axes"
     if facts.seq != 1:
-        return f"tract {target.version_text} decodes one step; node has S={facts.seq}"
+        seq = "a symbolic S" if facts.seq is None else f"S={facts.seq}"
+        return f"tract {target.version_text} decodes one step; node has {seq}"
     if facts.dk != FIRST_WIDTH:
         return f"tract {target.version_text} needs width {FIRST_WIDTH}; node has {facts.dk}"
     if facts.groups != 1:
@@ -98,8 +100,7 @@ def check(facts: ScanFacts, target: Target) -> Optional[str]:
 def emit(ctx: EmitContext) -> list:
     """Write the operator for a node whose operands arrive in the op-contract layout."""
     ops = ctx.operands
-    log_decay = ctx.cast(ops["g"], "f32", "g")
-    operands = [ops["q"], ops["k"], ops["v"], log_decay, ops["beta"], ops["initial_state"]]
+    operands = [ops[name] for name in SCAN_OPERANDS]
     out_dtype = promote(nnef_dtype_name(ops["q"]), nnef_dtype_name(ops["initial_state"]))
     outputs = (ctx.output_tensor(0, ops["v"].shape, out_dtype),
                ctx.output_tensor(1, ops["initial_state"].shape,
@@ -165,12 +166,18 @@ def emit_native_gdn_recurrent(graph: NGraph, operands: Sequence[NTensor],
     With ``head_major`` the per-step operands and the output are [B, H, S, ...]: they are
     transposed to the operator's [B, S, H, ...] on the way in and back on the way out. When
     an output's dtype differs from what the operator yields (output in q's dtype, final state
-    in the state's dtype), a cast follows. Returns the torch-to-nnef fragment keys needed.
+    in the state's dtype), a cast follows; a f16 log decay is cast to f32 first. Returns the
+    torch-to-nnef fragment keys needed.
     """
     operands = list(operands)
+    out, final = outputs
+    if nnef_dtype_name(operands[3]) != "f32":  # the op takes an f32 log decay: widen it
+        widened = NTensor(graph, name=f"{out.name}_log_decay_f32", dtype=np.float32,
+                          shape=tuple(operands[3].shape))
+        _write_into(graph, operands[3], widened)
+        operands[3] = widened
     if head_major:
         operands[:5] = [_seq_second(graph, t, "gdn_seq_second") for t in operands[:5]]
-    out, final = outputs
     raw_out = out if not head_major and out.dtype == operands[0].dtype else NTensor(
         graph, name=f"{out.name}_gdn_native", dtype=operands[0].dtype,
         shape=tuple(operands[2].shape))

@@ -12,6 +12,7 @@ outputs are gathered by a recognized write (loop_outputs.py); dtypes agree with 
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -20,38 +21,44 @@ from torch import fx
 from gdn_fx.passes.loop_outputs import Gathered, gather
 from gdn_fx.passes.operands import Operands, scan_operands
 from gdn_fx.passes.program import add_node, dtype, fake_mode_of, shape
+from gdn_fx.passes.rebuild import Fusion, rebuild
 from gdn_fx.passes.result import Miss, NoMatch
-from gdn_fx.passes.steps import Step, chains, check_chain, find_steps, time_length
+from gdn_fx.passes.steps import (Step, chains, check_chain, find_steps, step_nodes,
+                                  time_length)
 
 NAME = "gated_delta_scan"
 SCAN = torch.ops.gdn_fx.gated_delta_scan.default
 ATEN = torch.ops.aten
 
 
-def collapse_recurrences(gm: fx.GraphModule) -> tuple[int, list[Miss]]:
-    """Fuse every whole unrolled loop in ``gm``; return (fusions, near-misses)."""
-    steps, failures = find_steps(gm.graph)
+def collapse_recurrences(graph: fx.Graph) -> tuple[fx.Graph, int, list[Miss]]:
+    """Fuse every whole unrolled loop; return (new graph, fusions, near-misses).
+
+    ``graph`` is read, never modified: the result is rebuilt from the surviving nodes.
+    """
+    steps, failures = find_steps(graph)
+    known = step_nodes(steps)
     misses = [_miss(f.error, f.partial.index) for f in failures
-              if f.complete or f.touches(steps)]
-    fused = 0
-    mode = fake_mode_of(gm.graph) if steps else None
+              if f.complete or f.touches(known)]
+    fusions, order = [], _order(graph)
+    mode = fake_mode_of(graph) if steps else None
     for chain in chains(steps):
         try:
             check_chain(chain)
-            gathered = gather([s.out for s in chain], _order(gm.graph))
+            gathered = gather([s.out for s in chain], order)
             operands = scan_operands(chain[0])
             _check_dtypes(chain, gathered, operands)
         except NoMatch as err:
             misses.append(_miss(err, err.step, time_length(chain[0])))
             continue
-        _rewrite(gm.graph, chain, gathered, operands, mode)
-        fused += 1
-    return fused, misses
+        fusions.append(_plan(chain, gathered, operands, order, mode))
+    new = rebuild(graph, fusions) if fusions else copy.deepcopy(graph)
+    return new, len(fusions), misses
 
 
-def find_unrolled(gm: fx.GraphModule) -> list[str]:
-    """Descriptions of unrolled recurrence steps still in the graph (fused or not)."""
-    steps, failures = find_steps(gm.graph)
+def find_unrolled(graph: fx.Graph) -> list[str]:
+    """Descriptions of unrolled recurrence steps in the graph (complete or nearly so)."""
+    steps, failures = find_steps(graph)
     found = [f"unrolled {s.kind} step at time index {s.index} (node {s.out.name})" for s in steps]
     return found + [f"unrolled step that did not check out at node {f.error.node}: "
                     f"{f.error.reason}" for f in failures if f.complete]
@@ -77,32 +84,27 @@ def _check_dtypes(chain: list[Step], gathered: Gathered, ops: Operands) -> None:
                       f"{out_dtype}", node=gathered.value)
 
 
-def _rewrite(graph: fx.Graph, chain: list[Step], gathered: Gathered, ops: Operands,
-             mode) -> None:
-    order = _order(graph)
-    region = [n for s in chain for n in s.match.nodes.values() if n.op == "call_function"]
-    first = min(region + gathered.erase, key=order.__getitem__)
-    with graph.inserting_before(first):
-        args = [_time_major(graph, ops, name, mode) for name in ("q", "k", "v", "g", "beta")]
-        fused = add_node(graph, SCAN, (*args, ops.nodes["state"]),
+def _plan(chain: list[Step], gathered: Gathered, ops: Operands, order: dict, mode) -> Fusion:
+    """The fused node, emitted where the loop began, standing in for its output and state."""
+    region = {n for s in chain for n in s.match.computed()}
+    region |= set(gathered.erase)
+    replace = {gathered.value: "value", chain[-1].state_out: "final"}
+    if gathered.axis == 2:  # readers that transpose the head-major value back read `out`
+        replace.update({u: "out" for u in gathered.value.users if _swaps_axes_1_2(u)})
+
+    def emit(graph: fx.Graph, env) -> dict:
+        args = [_time_major(graph, env(ops.nodes[name]), name in ops.to_time_major, mode)
+                for name in ("q", "k", "v", "g", "beta")]
+        fused = add_node(graph, SCAN, (*args, env(ops.nodes["state"])),
                          dict(scale=ops.scale, qk_l2norm=ops.qk_l2norm), mode)
         out = add_node(graph, operator.getitem, (fused, 0), mode=mode)
         final = add_node(graph, operator.getitem, (fused, 1), mode=mode)
         value = out if gathered.axis == 1 else _permute(graph, out, mode)
-    _copy_meta(chain[0].out, (fused, out, final, value))
-    for node in gathered.erase:  # in-place writes first: they are the buffer's only writers
-        graph.erase_node(node)
-    gathered.value.replace_all_uses_with(value)
-    chain[-1].state_out.replace_all_uses_with(final)
-    if value is not out:
-        _fold_transpose_back(value, out)
+        _copy_meta(chain[0].out, (fused, out, final, value))
+        return {"out": out, "final": final, "value": value}
 
-
-def _fold_transpose_back(value: fx.Node, out: fx.Node) -> None:
-    """Readers that transpose the head-major value back to time-major read ``out`` itself."""
-    for user in list(value.users):
-        if _swaps_axes_1_2(user):
-            user.replace_all_uses_with(out)
+    anchor = min(region, key=order.__getitem__)
+    return Fusion(anchor, emit, set(ops.nodes.values()), replace, region)
 
 
 def _swaps_axes_1_2(node: fx.Node) -> bool:
@@ -111,9 +113,8 @@ def _swaps_axes_1_2(node: fx.Node) -> bool:
     return node.target is ATEN.permute.default and [d % 4 for d in node.args[1]] == [0, 2, 1, 3]
 
 
-def _time_major(graph: fx.Graph, ops: Operands, name: str, mode) -> fx.Node:
-    node = ops.nodes[name]
-    return _permute(graph, node, mode) if name in ops.to_time_major else node
+def _time_major(graph: fx.Graph, node: fx.Node, needed: bool, mode) -> fx.Node:
+    return _permute(graph, node, mode) if needed else node
 
 
 def _permute(graph: fx.Graph, node: fx.Node, mode) -> fx.Node:

@@ -13,6 +13,7 @@ index (the timestep), which the caller checks against the loop.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -54,17 +55,19 @@ class Match:
     nodes: dict = field(default_factory=dict)  # pattern node -> graph node
     index: Optional[int] = None  # the time index all selects read
     defects: list = field(default_factory=list)  # (reason, graph node)
+    bindings: dict = field(default_factory=dict)  # placeholder name -> graph node
 
     def bound(self, name: str) -> Optional[fx.Node]:
         """The graph node bound to the pattern placeholder ``name`` (None if not bound)."""
-        for p, n in self.nodes.items():
-            if p.op == "placeholder" and p.target == name:
-                return n
-        return None
+        return self.bindings.get(name)
 
     def out(self, name: str) -> fx.Node:
         """The graph node matched to the pattern output ``name``."""
         return self.nodes[self.pattern.outputs[name]]
+
+    def computed(self) -> list[fx.Node]:
+        """Matched graph nodes that the pattern computes (everything but its inputs)."""
+        return [n for p, n in self.nodes.items() if p.op != "placeholder"]
 
     def inner(self) -> list[fx.Node]:
         """Matched graph nodes that are neither placeholders nor outputs."""
@@ -89,19 +92,42 @@ def _normalize_dims(value: Any, rank: Optional[int]) -> Any:
     return value
 
 
+_NO_DEFAULT = object()
+
+
+@functools.cache
+def _schema_args(target: Any) -> tuple:
+    """(name, default) per schema argument; reading schemas is slow, so once per op."""
+    return tuple((a.name, a.default_value if a.has_default_value() else _NO_DEFAULT)
+                 for a in target._schema.arguments)
+
+
+def _spelled_args(node: fx.Node) -> dict:
+    """The arguments as written, by schema name where the schema names them."""
+    names = _schema_names(node.target)
+    out = {names[i] if i < len(names) else str(i): a for i, a in enumerate(node.args)}
+    out.update(node.kwargs)
+    return out
+
+
+@functools.cache
+def _schema_names(target: Any) -> tuple:
+    schema = getattr(target, "_schema", None)
+    return tuple(a.name for a in schema.arguments) if schema is not None else ()
+
+
 def _all_args(node: fx.Node) -> dict:
     """Every argument by schema name, defaults filled in (exports differ in what they spell)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    if not hasattr(node.target, "_schema"):
         return {**{str(i): a for i, a in enumerate(node.args)}, **node.kwargs}
     out = {}
-    for i, arg in enumerate(schema.arguments):
+    for i, (name, default) in enumerate(_schema_args(node.target)):
         if i < len(node.args):
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
+            out[name] = node.args[i]
+        elif name in node.kwargs:
+            out[name] = node.kwargs[name]
+        elif default is not _NO_DEFAULT:
+            out[name] = default
     return out
 
 
@@ -134,9 +160,13 @@ class _Walk:
             raise NoMatch(f"operand '{p.name}' is read from {old.name} and {getattr(n, 'name', n)}",
                           node=n)
         self.m.nodes[p] = n
+        self.m.bindings[p.target] = n
 
     def _args(self, p: fx.Node, n: fx.Node) -> None:
-        p_args, n_args = _all_args(p), _all_args(n)
+        if len(p.args) == len(n.args) and p.kwargs.keys() == n.kwargs.keys():
+            p_args, n_args = _spelled_args(p), _spelled_args(n)  # the common, cheap case
+        else:
+            p_args, n_args = _all_args(p), _all_args(n)
         if p_args.keys() != n_args.keys():
             raise NoMatch(f"{op_name(n.target)} takes other arguments than the pattern", node=n)
         for name in [k for k in p_args if k not in ("self", "other")]:
@@ -149,12 +179,14 @@ class _Walk:
 
     def _commutative(self, p: fx.Node, n: fx.Node, p_args: dict, n_args: dict) -> None:
         """Operands in the written order, else swapped (``a * b`` is ``b * a``)."""
-        saved = (dict(self.m.nodes), self.m.index, list(self.m.defects))
+        m = self.m
+        saved = (dict(m.nodes), m.index, list(m.defects), dict(m.bindings))
         try:
             self._arg(p, n, "self", p_args["self"], n_args["self"])
             self._arg(p, n, "other", p_args["other"], n_args["other"])
         except NoMatch as first:
-            self.m.nodes, self.m.index, self.m.defects = dict(saved[0]), saved[1], list(saved[2])
+            m.nodes, m.index, m.defects, m.bindings = (dict(saved[0]), saved[1],
+                                                       list(saved[2]), dict(saved[3]))
             try:
                 self._arg(p, n, "other", p_args["self"], n_args["other"])
                 self._arg(p, n, "self", p_args["other"], n_args["self"])
@@ -181,6 +213,8 @@ class _Walk:
             elif self.m.index != na:
                 self.m.defects.append((f"selects time index {na}, the step reads {self.m.index}",
                                        n))
+            return
+        if pa == na:
             return
         if name == "dim":
             pa, na = _normalize_dims(pa, _rank_for_dims(p)), _normalize_dims(na, _rank_for_dims(n))

@@ -91,24 +91,25 @@ def remove_dead(graph: fx.Graph) -> None:
                 changed = True
 
 
-def finish(gm: fx.GraphModule, ep: Optional[torch.export.ExportedProgram]) -> None:
-    """Clean up after rewrites: dead code, lint, recompile, and the export signature's names."""
+def finish(gm: fx.GraphModule) -> None:
+    """Clean up after rewrites: dead code, lint, recompile."""
     remove_dead(gm.graph)
     gm.graph.lint()
     gm.recompile()
-    if ep is not None:
-        _sync_output_names(gm, ep)
 
 
-def _sync_output_names(gm: fx.GraphModule, ep: torch.export.ExportedProgram) -> None:
-    """Output specs name graph nodes; a rewrite may have replaced the node an output reads."""
-    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+def sync_output_names(graph: fx.Graph, signature, module_call_graph) -> None:
+    """Point an export signature's output specs at the nodes the graph now returns.
+
+    A rewrite may replace the node an output reads (a state written back, a loop's output).
+    """
+    outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     renames = {}
-    for spec, arg in zip(ep.graph_signature.output_specs, outputs):
+    for spec, arg in zip(signature.output_specs, outputs):
         if isinstance(arg, fx.Node) and hasattr(spec.arg, "name") and spec.arg.name != arg.name:
             renames[spec.arg.name] = arg.name
             spec.arg.name = arg.name
-    for entry in ep.module_call_graph:
+    for entry in module_call_graph:
         if entry.signature is not None:
             for out in entry.signature.outputs:
                 if getattr(out, "name", None) in renames:

@@ -9,6 +9,7 @@ same q/k/v/g/beta sources, at time indices 0, 1, ..., T-1 in order, T being the 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,11 +61,15 @@ class Failure:
     partial: Match
     complete: bool  # every pattern node matched; a literal, user or shape check failed
 
-    def touches(self, steps: list[Step]) -> bool:
-        """Whether the failure reads the state or the sources of matched steps."""
-        known = {s.state_out for s in steps} | {s.source(n) for s in steps for n in SOURCES}
+    def touches(self, known: set) -> bool:
+        """Whether the failure reads one of the ``known`` nodes (states, sources of steps)."""
         bound = [self.partial.bound(name) for name in ("state",) + SOURCES]
         return any(node is not None and node in known for node in bound)
+
+
+def step_nodes(steps: list[Step]) -> set:
+    """The states and sources matched steps read or produce."""
+    return {s.state_out for s in steps} | {s.source(n) for s in steps for n in SOURCES}
 
 
 def find_steps(graph: fx.Graph) -> tuple[list[Step], list[Failure]]:
@@ -158,7 +163,10 @@ def chains(steps: list[Step]) -> list[list[Step]]:
     A component where one state feeds two steps keeps all its steps, unordered after the fork;
     check_chain reports it.
     """
-    succ = {id(s): [t for t in steps if t.state_in is s.state_out] for s in steps}
+    reading = {}
+    for step in steps:
+        reading.setdefault(step.state_in, []).append(step)
+    succ = {id(s): reading.get(s.state_out, []) for s in steps}
     has_pred = {id(t) for s in steps for t in succ[id(s)]}
     result = []
     for start in (s for s in steps if id(s) not in has_pred):
@@ -175,10 +183,10 @@ def check_chain(chain: list[Step]) -> int:
     """Raise NoMatch unless the chain is one whole loop; return T."""
     head = chain[0]
     length = time_length(head)
+    readers = Counter(s.state_in for s in chain)
     for pos, step in enumerate(chain):
-        fed = [s for s in chain if s.state_in is step.state_out]
-        if len(fed) > 1:
-            raise NoMatch(f"the state after step {pos} feeds {len(fed)} steps",
+        if readers[step.state_out] > 1:
+            raise NoMatch(f"the state after step {pos} feeds {readers[step.state_out]} steps",
                           node=step.state_out, step=pos)
     for pos, step in enumerate(chain):
         _check_link(chain, pos, step, head, length)

@@ -2,6 +2,10 @@
 
 from gdn_fx.hf.configs import FAMILIES, tiny_config, tiny_model
 from gdn_fx.hf.decode import DecodeStep, hf_continue
+from gdn_fx.hf.dropins import Reified, UnsupportedModel, reify
 from gdn_fx.hf.states import StateSpec
 
-__all__ = ["FAMILIES", "DecodeStep", "StateSpec", "hf_continue", "tiny_config", "tiny_model"]
+__all__ = [
+    "FAMILIES", "DecodeStep", "Reified", "StateSpec", "UnsupportedModel", "hf_continue", "reify",
+    "tiny_config", "tiny_model",
+]

@@ -1,0 +1,140 @@
+"""Structural diff of two FX graphs, through networkx.
+
+Each node gets a structural key: its op, target and literal arguments, plus the keys of its
+inputs (placeholders keyed by position). Nodes whose key appears in both graphs are unchanged,
+whatever their names. Of the rest, a node present by name in both graphs with the same local
+signature is "rewired" (it reads rewritten inputs); with another signature it is "changed";
+the remaining ones are "removed" or "added".
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx
+
+
+def _graph_of(program: Any) -> fx.Graph:
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.graph_module.graph
+    if isinstance(program, fx.GraphModule):
+        return program.graph
+    if isinstance(program, fx.Graph):
+        return program
+    raise TypeError(f"graph_diff takes ExportedProgram, GraphModule or Graph, got {type(program)}")
+
+
+def _target_name(node: fx.Node) -> str:
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    return str(target).replace("torch.ops.", "") if hasattr(target, "_schema") else name
+
+
+def _literal(arg: Any) -> Any:
+    return fx.node.map_arg(arg, lambda _: "<node>")
+
+
+def local_signature(node: fx.Node) -> str:
+    """Op, target and literal arguments: what a node is, apart from what it reads."""
+    return f"{node.op}:{_target_name(node)}{_literal(node.args)}{_literal(node.kwargs)}"
+
+
+def to_networkx(program: Any) -> nx.DiGraph:
+    """The program's graph as a DiGraph; node attributes: op, target, signature, order."""
+    graph = nx.DiGraph()
+    for order, node in enumerate(_graph_of(program).nodes):
+        graph.add_node(node.name, op=node.op, target=_target_name(node),
+                       signature=local_signature(node), order=order)
+        for position, source in enumerate(node.all_input_nodes):
+            graph.add_edge(source.name, node.name, position=position)
+    return graph
+
+
+def structural_keys(graph: nx.DiGraph) -> dict:
+    """Name -> key that depends only on structure (not on node names)."""
+    keys, placeholders = {}, 0
+    for name in nx.topological_sort(graph):
+        data = graph.nodes[name]
+        if data["op"] == "placeholder":
+            own = f"placeholder#{placeholders}"
+            placeholders += 1
+        else:
+            own = data["signature"]
+        inputs = sorted(graph.in_edges(name, data="position"), key=lambda e: e[2])
+        text = own + "|" + ",".join(keys[src] for src, _, _ in inputs)
+        keys[name] = hashlib.sha1(text.encode()).hexdigest()[:16]
+    return keys
+
+
+@dataclass
+class GraphDiff:
+    """What changed from graph ``a`` to graph ``b``; ``str()`` gives a readable report."""
+
+    added: list = field(default_factory=list)
+    removed: list = field(default_factory=list)
+    changed: list = field(default_factory=list)
+    rewired: list = field(default_factory=list)
+    ops_before: Counter = field(default_factory=Counter)
+    ops_after: Counter = field(default_factory=Counter)
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.changed or self.rewired)
+
+    def op_delta(self) -> dict:
+        """Target -> (count before, count after) for every target whose count moved."""
+        names = set(self.ops_before) | set(self.ops_after)
+        return {t: (self.ops_before[t], self.ops_after[t]) for t in sorted(names)
+                if self.ops_before[t] != self.ops_after[t]}
+
+    def __str__(self) -> str:
+        total_a, total_b = sum(self.ops_before.values()), sum(self.ops_after.values())
+        lines = [f"nodes {total_a} -> {total_b}: {len(self.removed)} removed, "
+                 f"{len(self.added)} added, {len(self.changed)} changed, "
+                 f"{len(self.rewired)} rewired"]
+        lines += [f"  {t}: {a} -> {b}" for t, (a, b) in self.op_delta().items()]
+        for title, items in (("added", self.added), ("changed", self.changed),
+                             ("rewired", self.rewired)):
+            if items:
+                lines.append(f"{title}: " + ", ".join(items[:20])
+                             + (f", ... ({len(items)} in all)" if len(items) > 20 else ""))
+        return "\n".join(lines)
+
+
+def graph_diff(a: Any, b: Any) -> GraphDiff:
+    """Structural diff of two programs (ExportedProgram, GraphModule or fx.Graph)."""
+    ga, gb = to_networkx(a), to_networkx(b)
+    ka, kb = structural_keys(ga), structural_keys(gb)
+    left, right = Counter(ka.values()), Counter(kb.values())
+    common = left & right
+    only_a = _unmatched(ka, ga, common)
+    only_b = _unmatched(kb, gb, common)
+    diff = GraphDiff(ops_before=_op_counts(ga), ops_after=_op_counts(gb))
+    for name in sorted(set(only_a) & set(only_b), key=lambda n: gb.nodes[n]["order"]):
+        same = ga.nodes[name]["signature"] == gb.nodes[name]["signature"]
+        (diff.rewired if same else diff.changed).append(name)
+    paired = set(diff.rewired) | set(diff.changed)
+    diff.removed = [n for n in only_a if n not in paired]
+    diff.added = [n for n in only_b if n not in paired]
+    return diff
+
+
+def _unmatched(keys: dict, graph: nx.DiGraph, common: Counter) -> list:
+    """Node names whose structural key is not (or no longer) matched in the other graph."""
+    budget = Counter(common)
+    left = []
+    for name in sorted(keys, key=lambda n: graph.nodes[n]["order"]):
+        if budget[keys[name]] > 0:
+            budget[keys[name]] -= 1
+        else:
+            left.append(name)
+    return left
+
+
+def _op_counts(graph: nx.DiGraph) -> Counter:
+    return Counter(data["target"] for _, data in graph.nodes(data=True)
+                   if data["op"] == "call_function")

@@ -1,0 +1,194 @@
+"""reify: run a transformers hybrid's linear-attention layers through the gdn-fx ops.
+
+The capture-before-trace path. :func:`reify` swaps, in each modeling file the model's layers
+come from, the recurrent AND chunk delta rules, ``causal_conv1d_update`` and
+``causal_conv1d_fn`` for drop-ins with transformers' call signatures and eager math, which call
+``torch.ops.gdn_fx.gated_delta_scan`` / ``causal_conv1d_update``. A reified model exports with a
+dynamic sequence axis (the per-token Python loop is gone) and its graph holds one fused node per
+layer from the start.
+
+Module globals are swapped: while reified, EVERY model of the same family runs the drop-ins
+(they compute the same function, so other models stay correct). Undo with the returned
+handle, or use it as a context manager.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+import gdn_fx.ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
+from gdn_fx.errors import GdnFxError
+from gdn_fx.hf import patching
+from gdn_fx.hf.patching import CONV_FN, CONV_UPDATE, RULE_NAMES, ModelingModule
+
+SCAN = torch.ops.gdn_fx.gated_delta_scan
+CONV = torch.ops.gdn_fx.causal_conv1d_update
+# transformers' ACT2FN names that mean SiLU, the only activation the conv op knows.
+SILU_NAMES = ("silu", "swish")
+
+
+class UnsupportedModel(GdnFxError, NotImplementedError):
+    """A model (or a call it makes) that reify cannot run through the gdn-fx ops."""
+
+
+def _activation(name: Optional[str]) -> Optional[str]:
+    if name is None:
+        return None
+    if name in SILU_NAMES:
+        return "silu"
+    raise UnsupportedModel(f"causal conv activation {name!r}: the conv op supports None or "
+                           "'silu' only")
+
+
+def conv_update(hidden_states: Tensor, conv_state: Tensor, weight: Tensor,
+                bias: Optional[Tensor] = None, activation: Optional[str] = None) -> Tensor:
+    """HF ``causal_conv1d_update`` through the op: same result, ``conv_state`` written in place."""
+    out, new_state = CONV(hidden_states, conv_state, weight, bias, _activation(activation))
+    conv_state.copy_(new_state)  # the op is functional; HF's callers expect the write
+    return out
+
+
+def conv_fn(hidden_states: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+            activation: Optional[str] = None, **kwargs) -> Tensor:
+    """HF ``causal_conv1d_fn`` (zero-padded causal conv) as a conv update from a zero state."""
+    batch, channels, _ = hidden_states.shape
+    zeros = hidden_states.new_zeros(batch, channels, weight.shape[-1])
+    out, _ = CONV(hidden_states, zeros, weight, bias, _activation(activation))
+    return out
+
+
+def _no_packing(kwargs: dict) -> None:
+    if kwargs.get("cu_seqlens") is not None:
+        raise UnsupportedModel("packed sequences (cu_seqlens) are not supported by reify")
+
+
+def _initial_state(initial_state: Optional[Tensor], key: Tensor, value: Tensor) -> Tensor:
+    """The f32 state HF starts from (``initial_state.to(f32)`` or zeros)."""
+    if initial_state is not None:
+        return initial_state.to(torch.float32)
+    batch, _, _, dk = key.shape
+    return value.new_zeros(batch, value.shape[2], dk, value.shape[3], dtype=torch.float32)
+
+
+def _exact_operands(kind: str, l2norm: Callable, use_l2norm: bool,
+                    operands: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """q, k, v, g, beta prepared as transformers' f32 RECURRENT rule of ``kind`` prepares them
+    (its own l2norm, its own q scaling), so the scan op reproduces it bit for bit.
+
+    Memory layout matters for the last bit: the GDN rule works on dense head-major copies,
+    which dense sequence-major copies reproduce; the KDA rule works on the layer's views as
+    they come, which the op then sees unchanged.
+    """
+    q, k, v, g, beta = (x.to(torch.float32) for x in operands)
+    if kind == "gdn":
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if use_l2norm:
+        q, k = l2norm(q, dim=-1, eps=1e-6), l2norm(k, dim=-1, eps=1e-6)
+    if kind == "gdn":
+        return q / (q.shape[-1] ** 0.5), k, v, g, beta
+    return q * (1 / (q.shape[-1] ** 0.5)), k, v, g, beta
+
+
+def make_rule(module: Any, kind: str, form: str, exact: bool) -> Callable:
+    """A drop-in for one of ``module``'s delta rules (``form`` "recurrent" or "chunk").
+
+    Both forms compute the exact per-token recurrence (the op). Canonical mode hands raw q/k
+    to the op with ``qk_l2norm`` and ``scale = Dk**-0.5`` (the fused form lowering wants).
+    ``exact`` mode normalizes and scales q/k outside the op with the family's own formulas
+    (``qk_l2norm=False, scale=1``): in f32 it reproduces transformers' RECURRENT rule bit for
+    bit (the chunk rule itself differs from it by rounding).
+    """
+
+    def run(query, key, value, g, beta, initial_state, output_final_state, use_l2norm, kwargs):
+        _no_packing(kwargs)
+        s0 = _initial_state(initial_state, key, value)
+        if exact:
+            ops = _exact_operands(kind, module.l2norm, use_l2norm, (query, key, value, g, beta))
+            out, final = SCAN(*ops, s0, scale=1.0, qk_l2norm=False)
+        else:
+            out, final = SCAN(query, key, value, g, beta, s0, scale=key.shape[-1] ** -0.5,
+                              qk_l2norm=bool(use_l2norm))
+        return out.to(query.dtype), final if output_final_state else None
+
+    # The two signatures below are transformers' (recurrent and chunk rules, GDN and KDA).
+    def recurrent_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, **kwargs):
+        return run(query, key, value, g, beta, initial_state, output_final_state,
+                   use_qk_l2norm_in_kernel, kwargs)
+
+    def chunk_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                   output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+        return run(query, key, value, g, beta, initial_state, output_final_state,
+                   use_qk_l2norm_in_kernel, kwargs)
+
+    return recurrent_rule if form == "recurrent" else chunk_rule
+
+
+def _rule_swaps(m: ModelingModule, exact: bool) -> list[tuple[Any, str, Any]]:
+    if m.rule_kind is None:
+        return []
+    swaps = []
+    for form, name in zip(("recurrent", "chunk"), RULE_NAMES[m.rule_kind]):
+        current = getattr(m.module, name)
+        if patching.role(current) is None:
+            rule = make_rule(m.module, m.rule_kind, form, exact)
+            swaps.append((m.module, name, patching.mark(rule, "reified-rule", current)))
+    return swaps
+
+
+def _conv_swaps(m: ModelingModule) -> list[tuple[Any, str, Any]]:
+    if not m.has_conv or patching.role(getattr(m.module, CONV_UPDATE)) is not None:
+        return []
+    hf_update, hf_fn = getattr(m.module, CONV_UPDATE), getattr(m.module, CONV_FN)
+    update = patching.mark(_copy(conv_update), "reified-conv", hf_update)
+    consumer = patching.conv_consumer(update, conv_fn, patching.original(hf_fn),
+                                      "conv-fn-reified", hf_fn)
+    return [(m.module, CONV_UPDATE, update), (m.module, CONV_FN, consumer)]
+
+
+def _copy(fn: Callable) -> Callable:
+    """A distinct function object calling ``fn`` (each swap carries its own markers)."""
+    return functools.wraps(fn)(lambda *args, **kwargs: fn(*args, **kwargs))
+
+
+class Reified:
+    """Handle of a :func:`reify`: ``undo()`` restores transformers' functions; also a context
+    manager (``with reify(model): ...``)."""
+
+    def __init__(self, modules: list[ModelingModule], patches: patching.Patches):
+        self.modules = modules
+        self.patches = patches
+
+    @property
+    def module_names(self) -> list[str]:
+        """The modeling files whose functions were swapped."""
+        return [m.name for m in self.modules]
+
+    def undo(self) -> None:
+        """Put transformers' own functions back."""
+        self.patches.undo()
+
+    def __enter__(self) -> "Reified":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def reify(model: nn.Module, *, exact: bool = False) -> Reified:
+    """Swap ``model``'s delta rules and conv functions for gdn-fx op drop-ins (see module doc).
+
+    ``exact=True`` keeps q/k normalization and scaling outside the scan op, in transformers'
+    own formulas, so reified f32 decode is bit-identical to transformers; the default hands
+    them to the op (``qk_l2norm=True``), the form the native lowering needs.
+    """
+    modules = patching.modeling_modules(model)
+    if not any(m.rule_kind is not None or m.has_conv for m in modules):
+        raise UnsupportedModel(f"{type(model).__name__}: no linear-attention or conv layers "
+                               "found in its modeling files")
+    swaps = [s for m in modules for s in (*_rule_swaps(m, exact), *_conv_swaps(m))]
+    return Reified(modules, patching.Patches(swaps).apply())

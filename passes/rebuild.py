@@ -1,0 +1,69 @@
+"""Apply fusions by building a new graph from the nodes that survive them.
+
+An unrolled loop is most of its graph (30 nodes a step, 15k at T = 512), so copying the graph
+and then deleting the loop would cost more than finding it. Rules therefore plan fusions on the
+original graph, read-only, and ``rebuild`` copies only what is still needed: each fusion emits
+its new nodes where its region began, stands in for the region's results, and the region's
+nodes and whatever only they used are left behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import fx
+
+ASSERT_META = torch.ops.aten._assert_tensor_metadata.default
+
+Emit = Callable[[fx.Graph, Callable[[fx.Node], fx.Node]], dict]
+
+
+@dataclass
+class Fusion:
+    """A planned rewrite of one region of a graph.
+
+    ``emit(graph, env)`` adds the new nodes to ``graph`` (``env`` maps an original node to its
+    copy; it may only read ``inputs``) and returns them by key; ``replace`` maps original nodes
+    to those keys; ``drop`` holds the region's nodes, which are not copied.
+    """
+
+    anchor: fx.Node
+    emit: Emit
+    inputs: set = field(default_factory=set)
+    replace: dict = field(default_factory=dict)
+    drop: set = field(default_factory=set)
+
+
+def rebuild(graph: fx.Graph, fusions: list[Fusion]) -> fx.Graph:
+    """A new graph: ``graph`` with every fusion applied; ``graph`` itself is not modified."""
+    gone = _left_behind(graph, fusions)
+    at = {}
+    for fusion in fusions:
+        at.setdefault(fusion.anchor, []).append(fusion)
+    new, env = fx.Graph(), {}
+    for node in graph.nodes:
+        for fusion in at.get(node, ()):
+            made = fusion.emit(new, env.__getitem__)
+            env.update({old: made[key] for old, key in fusion.replace.items()})
+        if node not in gone:
+            env[node] = new.node_copy(node, env.__getitem__)
+    return new
+
+
+def _left_behind(graph: fx.Graph, fusions: list[Fusion]) -> set:
+    """Dropped and replaced nodes, and the pure nodes only they (or metadata asserts) read."""
+    gone, needed = set(), set()
+    for fusion in fusions:
+        gone |= fusion.drop | set(fusion.replace)
+        needed |= fusion.inputs
+    for node in reversed(graph.nodes):
+        if node in gone or node in needed or node.op != "call_function" \
+                or node.target is ASSERT_META:
+            continue
+        readers = [u for u in node.users if u.target is not ASSERT_META]
+        if readers and all(u in gone for u in readers) and not node.is_impure():
+            gone.add(node)
+    gone |= {n for n in graph.nodes if n.target is ASSERT_META and n.args[0] in gone}
+    return gone

@@ -1,0 +1,73 @@
+"""Test helpers: build programs in every IR form a user can hand over, run them, compare."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+FORMS = ("training", "functional", "core", "make_fx", "strict")
+
+
+def export_form(module: torch.nn.Module, args: tuple, form: str, **kwargs) -> Any:
+    """The module as torch.export / make_fx leaves it in one of FORMS."""
+    if form == "make_fx":
+        return make_fx(module)(*args)
+    ep = torch.export.export(module, args, strict=(form == "strict"), **kwargs)
+    if form == "functional":
+        return ep.run_decompositions({})
+    if form == "core":
+        return ep.run_decompositions()
+    return ep
+
+
+def run(program: Any, args: tuple) -> Any:
+    """Run an ExportedProgram (through .module()) or a GraphModule on cloned inputs."""
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.module()(*args)
+    return program(*args)
+
+
+def graph_of(program: Any) -> fx.Graph:
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.graph_module.graph
+    return program.graph
+
+
+def count_calls(program: Any, target: Any = None) -> int:
+    """call_function nodes in the program (of one target when given)."""
+    return sum(1 for n in graph_of(program).nodes if n.op == "call_function"
+               and (target is None or n.target is target))
+
+
+def fused_nodes(program: Any, name: str = "gated_delta_scan") -> list[fx.Node]:
+    target = getattr(torch.ops.gdn_fx, name).default
+    return [n for n in graph_of(program).nodes if n.target is target]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max|got - want| / max|want| in float64."""
+    got, want = got.double(), want.double()
+    scale = want.abs().max().item() or 1.0
+    return (got - want).abs().max().item() / scale
+
+
+def flat(outputs: Any) -> list[torch.Tensor]:
+    """Tensor leaves of a (nested) output, in order."""
+    leaves = torch.utils._pytree.tree_leaves(outputs)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def assert_close_outputs(got: Any, want: Any, rtol: float = 1e-5) -> list[float]:
+    """Every output within ``rtol`` relative error; returns the errors."""
+    got, want = flat(got), flat(want)
+    assert len(got) == len(want)
+    errors = []
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+        errors.append(rel_err(g, w))
+    assert max(errors, default=0.0) <= rtol, errors
+    return errors

@@ -1,0 +1,454 @@
+"""The conv-update rule: transformers' causal conv1d update collapses into one fused node.
+
+Oracles are independent of the rule: transformers' own ``causal_conv1d_update``,
+``causal_conv1d_fn`` and ``LinearAttentionLayer.update_conv_state`` run eagerly, and the
+un-collapsed program run on the same inputs. Outputs agree to 1e-6 relative in f32; states
+are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+from torch.fx.experimental.proxy_tensor import make_fx
+from transformers.cache_utils import LinearAttentionLayer
+from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn as hf_conv_fn
+from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update as hf_update
+
+from gdn_fx import passes
+from gdn_fx.passes.conv_update import NAME, collapse_conv_updates, find_conv_updates
+from gdn_fx.passes.program import finish, graph_module_of, sync_output_names
+
+FUSED = torch.ops.gdn_fx.causal_conv1d_update.default
+CONV_TARGETS = (torch.ops.aten.conv1d.default, torch.ops.aten.convolution.default)
+B, C, K = 2, 6, 4
+FORMS = ("training", "functional", "core", "make_fx")
+HALF_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+# --- the modules: transformers' functions, called the way the models call them -----------
+
+class Update(nn.Module):
+    """causal_conv1d_update with the state as a mutated input, a buffer, or a returned clone."""
+
+    def __init__(self, holder="input", bias=True, activation="silu", dtype=torch.float32,
+                 groups=C, padding=0, out_slice=None):
+        super().__init__()
+        # the models' conv module pads K-1 for prefill; the update itself convolves with padding
+        self.conv = nn.Conv1d(C, C, K, groups=groups, padding=K - 1, bias=bias).to(dtype)
+        self.holder, self.activation, self.out_slice = holder, activation, out_slice
+        self.padding = padding
+        if holder == "buffer":
+            self.register_buffer("state", torch.randn(B, C, K, generator=_gen(1)).to(dtype))
+
+    def forward(self, x, state=None):
+        if self.holder == "buffer":
+            state = self.state
+        elif self.holder == "clone":
+            state = state.clone()
+        if self.out_slice is None and self.padding == 0 and self.conv.groups == C:
+            out = hf_update(x, state, self.conv.weight.squeeze(1), self.conv.bias,
+                            self.activation)
+        else:
+            out = _variant_update(x, state, self.conv, self.padding, self.out_slice)
+        return (out, state) if self.holder == "clone" else out
+
+
+def _variant_update(x, state, conv, padding, out_slice):
+    """HF's update with one thing changed: the conv's groups or padding, or the kept slice."""
+    full = torch.cat([state, x], dim=-1).to(conv.weight.dtype)
+    state.copy_(full[:, :, -state.shape[-1]:])
+    out = nn.functional.conv1d(full, conv.weight, conv.bias, padding=padding, groups=conv.groups)
+    seq = x.shape[-1]
+    out = out[:, :, -seq:] if out_slice is None else out[:, :, out_slice(seq)]
+    return nn.functional.silu(out).to(x.dtype)
+
+
+class Prefill(nn.Module):
+    """The prefill path of the models: LinearAttentionLayer.update_conv_state, causal_conv1d_fn,
+    then the last-S slice. ``fresh``: a new cache (zero history) that returns its state."""
+
+    def __init__(self, fresh=False, bias=True, activation="silu", dtype=torch.float32,
+                 padding_delta=0):
+        super().__init__()
+        self.conv = nn.Conv1d(C, C, K, groups=C, padding=K - 1, bias=bias).to(dtype)
+        self.fresh, self.activation, self.padding_delta = fresh, activation, padding_delta
+
+    def forward(self, x, state=None):
+        layer = LinearAttentionLayer()
+        if not self.fresh:
+            layer.conv_states[0], layer.conv_kernel_size[0] = state, K
+            layer.is_conv_states_initialized[0] = layer.has_previous_state[0] = True
+        full = layer.update_conv_state(x, 0, conv_kernel_size=K)
+        weight = self.conv.weight.squeeze(1)
+        if self.padding_delta:
+            out = nn.functional.conv1d(full.to(weight.dtype), weight.unsqueeze(1), self.conv.bias,
+                                       padding=K - 1 + self.padding_delta, groups=C)
+            out = nn.functional.silu(out[:, :, :full.shape[-1]]).to(x.dtype)
+        else:
+            out = hf_conv_fn(full, weight, self.conv.bias, activation=self.activation)
+        out = out[:, :, -x.shape[-1]:]
+        return (out, layer.conv_states[0]) if self.fresh else out
+
+
+class BufferFromZero(nn.Module):
+    """A buffer-held state written by a prefill that ignores it (zero history, like a fresh
+    cache): the fused node then needs a zero state the graph does not hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(C, C, K, groups=C, padding=K - 1)
+        self.register_buffer("state", torch.randn(B, C, K, generator=_gen(2)))
+
+    def forward(self, x):
+        seq = x.shape[-1]
+        full = nn.functional.pad(x, (K - seq, 0)) if seq < K else x
+        self.state.copy_(full[:, :, -K:])
+        return hf_conv_fn(full, self.conv.weight.squeeze(1), self.conv.bias, "silu")[:, :, -seq:]
+
+
+class Stateless(nn.Module):
+    """causal_conv1d_fn with no cache: a causal conv, but no update (left alone, no miss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(C, C, K, groups=C, padding=K - 1)
+
+    def forward(self, x):
+        return hf_conv_fn(x, self.conv.weight.squeeze(1), self.conv.bias, "silu")
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _inputs(module: nn.Module, seq: int, dtype=torch.float32, state_width=K, seed=0):
+    gen = _gen(seed)
+    x = torch.randn(B, C, seq, generator=gen).to(dtype)
+    if getattr(module, "holder", None) == "buffer" or getattr(module, "fresh", False) \
+            or isinstance(module, (BufferFromZero, Stateless)):
+        return (x,)
+    return x, torch.randn(B, C, state_width, generator=gen).to(dtype)
+
+
+def _export(module: nn.Module, args: tuple, form: str, **kwargs):
+    if form == "make_fx":
+        params = dict(module.named_parameters())
+        return make_fx(lambda *a: torch.func.functional_call(module, params, a))(*args)
+    torch.manual_seed(0)
+    ep = torch.export.export(module, args, **kwargs)
+    if form == "functional":
+        return ep.run_decompositions({})
+    if form == "core":
+        return ep.run_decompositions()
+    return ep
+
+
+def _rule_registered() -> bool:
+    rules = [*getattr(passes, "RULES", ()), *getattr(passes, "GRAPH_RULES", ()),
+             *getattr(passes, "MODULE_RULES", ())]
+    return any(name == NAME for name, _ in rules)
+
+
+def collapse_conv(program):
+    """(collapsed program, conv fusions, conv near-misses) through ``gdn_fx.passes.collapse``;
+    until the rule is registered there, the rule runs on collapse's private copy."""
+    result = passes.collapse(program)
+    if _rule_registered():
+        misses = [m for m in result.misses if m.rule == NAME]
+        return result.program, result.counts[NAME], misses
+    gm, ep = graph_module_of(result.program)
+    count, misses = collapse_conv_updates(gm)
+    finish(gm)
+    if ep is not None:
+        sync_output_names(gm.graph, ep.graph_signature, ep.module_call_graph)
+    return result.program, count, misses
+
+
+def _graph(program):
+    return graph_module_of(program)[0].graph
+
+
+def _targets(program) -> Counter:
+    return Counter(n.target for n in _graph(program).nodes if n.op == "call_function")
+
+
+def _count(program, targets) -> int:
+    return sum(1 for n in _graph(program).nodes if n.target in targets)
+
+
+def _callable(program, buffers):
+    """A callable running the program, its buffers set to ``buffers`` first (an exported
+    program's module shares its buffers with the eager module it came from)."""
+    module = program.module() if isinstance(program, torch.export.ExportedProgram) else program
+    if not buffers:
+        return module, {}
+    with torch.no_grad():
+        for name, value in buffers.items():
+            module.get_buffer(name).copy_(value)
+    return module, dict(module.named_buffers())
+
+
+def _run(program, args, buffers):
+    """(outputs, inputs after the call, buffers after the call), on private copies."""
+    args = tuple(a.clone() for a in args)
+    module, live = _callable(program, buffers)
+    with torch.no_grad():
+        out = module(*args)
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    return list(out), list(args), {k: v.clone() for k, v in live.items()}
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _assert_same(got, want, dtype=torch.float32):
+    """Outputs to 1e-6 relative (f32) or a few half ulps; states bit for bit."""
+    outs, args, bufs = got
+    outs_w, args_w, bufs_w = want
+    assert len(outs) == len(outs_w)
+    for index, (g, w) in enumerate(zip(outs, outs_w)):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if index:  # every module here returns (out, *states)
+            assert torch.equal(g, w), "a returned state differs"
+        else:
+            assert _rel(g, w) <= HALF_TOL.get(dtype, 1e-6)
+    for g, w in zip(args + list(bufs.values()), args_w + list(bufs_w.values())):
+        assert torch.equal(g, w), "a state differs"
+
+
+def _check_collapse(module, args, form, dtype=torch.float32, count=1):
+    """Collapse, then check count, leftovers, signature, numerics vs eager and vs original."""
+    program = _export(module, args, form)
+    before = _targets(program)
+    new, fused, misses = collapse_conv(program)
+    assert fused == count and not misses, misses
+    assert _count(new, CONV_TARGETS) == 0 and _count(new, (FUSED,)) == count
+    assert _targets(program) == before, "the input program was modified"
+    buffers = {k: v.clone() for k, v in module.named_buffers()}
+    want = _run(program, args, buffers)
+    got = _run(new, args, buffers)
+    _assert_same(got, want, dtype)
+    _assert_same(got, _run(module, args, buffers), dtype)  # transformers' functions, eager
+    if isinstance(program, torch.export.ExportedProgram):
+        assert _kinds(new) == _kinds(program)
+    return new
+
+
+def _kinds(ep) -> tuple:
+    sig = ep.graph_signature
+    return ([(s.kind, s.target) for s in sig.input_specs],
+            [(s.kind, s.target) for s in sig.output_specs])
+
+
+# --- the update: every form, holder and option --------------------------------------------
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("holder", ["input", "buffer", "clone"])
+def test_update_collapses_in_every_form(form, holder):
+    if form == "make_fx" and holder == "buffer":
+        pytest.skip("make_fx of a functional_call sees buffers as plain inputs")
+    module = Update(holder)
+    _check_collapse(module, _inputs(module, 3), form)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_update_options(bias, activation, dtype):
+    module = Update(bias=bias, activation=activation, dtype=dtype)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    form = FORMS[(bias + 2 * (activation is None) + dtypes.index(dtype)) % len(FORMS)]
+    new = _check_collapse(module, _inputs(module, 3, dtype), form, dtype)
+    node = next(n for n in _graph(new).nodes if n.target is FUSED)
+    assert node.args[4] == activation and (node.args[3] is None) == (not bias)
+
+
+@pytest.mark.parametrize("seq", [1, 2, 4, 5, 17, 64])
+def test_update_every_static_length(seq):
+    module = Update()
+    form = "core" if seq % 2 else "training"
+    _check_collapse(module, _inputs(module, seq), form)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16])
+def test_update_half_activations_f32_weights(x_dtype):
+    """HF casts cat(state, x) to the weight's dtype and the output back to x's dtype; the state
+    is written from the f32 concatenation into the half state (exact round trip)."""
+    module = Update()  # f32 weights
+    x, state = _inputs(module, 3, x_dtype)
+    _check_collapse(module, (x, state), "training", x_dtype)
+    _check_collapse(module, (x, state), "core", x_dtype)
+
+
+@pytest.mark.parametrize("form", ["training", "core"])
+def test_dynamic_length_is_right_at_every_length(form):
+    module = Update(bias=True)
+    args = _inputs(module, 5)
+    program = _export(module, args, form,
+                      dynamic_shapes={"x": {2: Dim("S", min=2, max=128)}, "state": None})
+    assert find_conv_updates(_graph(program)) == []  # symbolic slices do not freeze S
+    new, fused, misses = collapse_conv(program)
+    assert fused == 1 and not misses
+    for seq in (2, 3, 4, 7, 40, 128):
+        args = _inputs(module, seq, seed=seq)
+        _assert_same(_run(new, args, {}), _run(module, args, {}))
+
+
+# --- the prefill that feeds a cache ---------------------------------------------------------
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("seq", [1, 4, 9])  # S < K, S = K, S > K
+def test_prefill_with_state_collapses(form, seq):
+    """update_conv_state's cat(state, x) + causal_conv1d_fn (padding K-1, first K+S) + last S:
+    the update with the cached state."""
+    module = Prefill()
+    _check_collapse(module, _inputs(module, seq), form)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("seq", [1, 3, 4, 9])  # pads 3 or 1 zeros, none, none
+def test_fresh_prefill_is_update_from_zero(form, seq):
+    """A fresh cache pads x on the left to K when S < K, writes the last K samples, and the
+    padded conv starts from zero history: the update with a zero conv_state."""
+    module = Prefill(fresh=True)
+    new = _check_collapse(module, _inputs(module, seq), form)
+    node = next(n for n in _graph(new).nodes if n.target is FUSED)
+    zeros = node.args[1]
+    assert zeros.target in (torch.ops.aten.zeros.default, torch.ops.aten.full.default)
+
+
+@pytest.mark.parametrize("form", ["training", "core"])
+@pytest.mark.parametrize("seq", [2, 6])
+def test_zero_history_into_a_buffer_gets_a_zero_state(form, seq):
+    module = BufferFromZero()
+    _check_collapse(module, _inputs(module, seq), form)
+
+
+def test_prefill_options_and_half():
+    for bias, activation, dtype in [(False, None, torch.float16), (True, "silu", torch.bfloat16)]:
+        module = Prefill(bias=bias, activation=activation, dtype=dtype)
+        _check_collapse(module, _inputs(module, 5, dtype), "functional", dtype)
+
+
+# --- what changes and what does not ------------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["training", "core"])
+def test_only_the_region_changes(form):
+    module = Update()
+    program = _export(module, _inputs(module, 3), form)
+    new, _, _ = collapse_conv(program)
+    before, after = _targets(program), _targets(new)
+    added, removed = after - before, before - after
+    assert added == Counter({FUSED: 1, operator.getitem: 2})
+    region = {torch.ops.aten.cat.default, torch.ops.aten.slice.Tensor, torch.ops.aten.unsqueeze.default,
+              torch.ops.aten.silu.default, torch.ops.aten.sigmoid.default, torch.ops.aten.mul.Tensor,
+              torch.ops.aten.to.dtype, torch.ops.aten._assert_tensor_metadata.default, *CONV_TARGETS}
+    assert set(removed) <= region
+    writes = (torch.ops.aten.copy_.default, torch.ops.aten.copy.default)
+    assert _count(new, writes) == _count(program, writes)  # the state write is kept, rewired
+    for node in _graph(new).nodes:
+        if node.target in writes:
+            assert node.args[1].args[0].target is FUSED and node.args[1].args[1] == 1
+
+
+def test_training_ir_write_stays_in_place_and_mutates():
+    module = Update()
+    program = _export(module, _inputs(module, 2), "training")
+    new, _, _ = collapse_conv(program)
+    write = next(n for n in _graph(new).nodes if n.target is torch.ops.aten.copy_.default)
+    assert write.args[0].op == "placeholder" and write.args[0].name == "state"
+    x, state = _inputs(module, 2, seed=5)
+    expected = state.clone()
+    hf_update(x.clone(), expected, module.conv.weight.squeeze(1), module.conv.bias, "silu")
+    with torch.no_grad():
+        new.module()(x, state)
+    assert torch.equal(state, expected)
+
+
+# --- near-misses: left exactly as they were ---------------------------------------------------
+
+# case -> (module, state width, S, what the near-miss says)
+NEAR_MISSES = {
+    "non-depthwise": (lambda: Update(groups=1), K, 3, "not depthwise"),
+    "state of K-1": (lambda: Update(), K - 1, 3, "needs exactly 4 samples"),
+    "other window": (lambda: Update(out_slice=lambda s: slice(-s - 1, -1)), K, 3, "keeps conv"),
+    "first window": (lambda: Update(out_slice=lambda s: slice(0, s)), K, 3, "keeps conv"),
+    "padding 1": (lambda: Update(padding=1), K, 3, "keeps conv positions"),
+    "prefill padding K": (lambda: Prefill(padding_delta=1), K, 3, "keeps conv positions"),
+    "fresh padding K-2, S<K": (lambda: Prefill(fresh=True, padding_delta=-1), K, 3,
+                               "keeps conv positions"),  # reads x[t+1]: not causal
+    "fresh padding K-2": (lambda: Prefill(fresh=True, padding_delta=-1), K, 5, "zero samples"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEAR_MISSES))
+@pytest.mark.parametrize("form", ["training", "core"])
+def test_near_miss_left_untouched(case, form):
+    make, state_width, seq, reason = NEAR_MISSES[case]
+    module = make()
+    args = _inputs(module, seq, state_width=state_width)
+    program = _export(module, args, form)
+    code = graph_module_of(program)[0].code
+    new, fused, misses = collapse_conv(program)
+    assert fused == 0 and _count(new, (FUSED,)) == 0
+    assert graph_module_of(new)[0].code == code
+    assert len(misses) == 1 and reason in misses[0].reason, misses
+    assert misses[0].node is not None and misses[0].rule == NAME
+    assert len(find_conv_updates(_graph(new))) >= 1  # the exporter refuses dynamic S here
+
+
+def test_stateless_causal_conv_is_not_a_candidate():
+    module = Stateless()
+    program = _export(module, _inputs(module, 5), "core")
+    new, fused, misses = collapse_conv(program)
+    assert fused == 0 and misses == [] and _count(new, CONV_TARGETS) == 1
+
+
+def test_find_conv_updates_names_frozen_slices():
+    module = Update()
+    program = _export(module, _inputs(module, 3), "training")
+    found = find_conv_updates(_graph(program))
+    assert len(found) == 1 and "-3:" in found[0] and "conv1d" in found[0]
+    new, _, _ = collapse_conv(program)
+    assert find_conv_updates(_graph(new)) == []
+    prefill = _export(Prefill(), _inputs(Prefill(), 3), "core")
+    assert len(find_conv_updates(_graph(prefill))) == 2  # [:K+S] and [-S:]
+
+
+# --- whole decode steps of the families that carry a conv update ---------------------------
+
+WHOLE_MODELS = [("qwen3_5", 1), ("kimi_linear", 1), ("lfm2", 1), ("bamba", 1), ("lfm2", 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, seq", WHOLE_MODELS)
+def test_every_conv_layer_of_a_decode_step_collapses(family, seq):
+    """gdn_fx.hf's decode step (S = 1: HF's causal_conv1d_update; S = 3: its prefill that
+    feeds the cache) loses every conv. A conv state keeps the old samples bit for bit; its new
+    samples are x, which upstream layers compute to rounding."""
+    hf = pytest.importorskip("gdn_fx.hf")
+    step = hf.DecodeStep(hf.tiny_model(family))
+    args = step.example_inputs(seq_len=seq, source="random")
+    program = torch.export.export(step, args)
+    layers = sum(spec.kind == "conv" for spec in step.specs)
+    assert len(find_conv_updates(_graph(program))) >= layers
+    new, fused, misses = collapse_conv(program)
+    assert layers >= 2 and fused == layers and not misses, misses
+    assert _count(new, CONV_TARGETS) == 0 and find_conv_updates(_graph(new)) == []
+    got, original, eager = _run(new, args, {})[0], _run(program, args, {})[0], step.eager(*args)
+    for index, spec in enumerate([None, *step.specs]):
+        if spec is not None and spec.kind == "conv":
+            old = args[index][..., seq:]
+            assert torch.equal(got[index][..., :old.shape[-1]], old), spec.name
+        assert _rel(got[index], eager[index]) <= 1e-5
+        assert _rel(got[index], original[index]) <= 1e-5

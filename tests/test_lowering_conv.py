@@ -1,0 +1,71 @@
+"""causal_conv1d_update exported to NNEF, loaded AND run by tract, vs torch eager and HF.
+
+Weights are module parameters with static shapes: exactly the setting in which tract 0.23.9
+miscompiles a depthwise ``conv`` whose constant filter sits behind an unsqueeze (FACTS.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update as hf_conv_update
+
+from gdn_fx import tract_check
+from gdn_fx.export import export_nnef
+from test_lowering_support import (NATIVE_CONV, ConvModule, conv_inputs, export_checked,
+                                   tolerance_for)
+
+F16, F32 = torch.float16, torch.float32
+
+# name: (channels, K, bias, activation, dtype, S, batch, forced, expected)
+CASES = {
+    "silu_f32_native": (6, 4, False, "silu", F32, 4, 2, None, "native"),
+    "silu_f16_native": (6, 4, False, "silu", F16, 1, 1, None, "native"),
+    "silu_k2_native": (5, 2, False, "silu", F32, 3, 2, None, "native"),
+    "silu_f32_portable": (6, 4, False, "silu", F32, 4, 2, "portable", "portable"),
+    "silu_f16_portable": (6, 4, False, "silu", F16, 3, 2, "portable", "portable"),
+    "bias_silu": (6, 4, True, "silu", F32, 4, 2, None, "portable"),
+    "bias_no_activation": (6, 3, True, None, F32, 5, 2, None, "portable"),
+    "no_activation": (7, 4, False, None, F32, 1, 1, None, "portable"),
+    "wide_kernel": (4, 6, False, "silu", F32, 2, 2, None, "portable"),
+    "kernel_one": (4, 1, True, "silu", F32, 3, 1, None, "portable"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_conv_runs_in_tract(case, tmp_path):
+    channels, kernel, bias, act, dtype, s, b, forced, expected = CASES[case]
+    module = ConvModule(channels, kernel, bias, act, dtype)
+    args = conv_inputs(b, channels, s, kernel, dtype)
+    choose = {"causal_conv1d_update": forced} if forced else None
+    decisions, comparison, text = export_checked(module, args, tmp_path / f"{case}.nnef",
+                                                 tolerance_for(*args), choose=choose)
+    print(f"{case}: emitted {decisions}; {comparison}")
+    assert list(decisions.values()) == [expected]
+    assert (NATIVE_CONV in text) == (expected == "native")
+    assert " conv(" not in text  # the portable form never uses conv (0.23.9 miscompile)
+    assert comparison.ok, comparison
+
+
+@pytest.mark.parametrize("forced", ["native", "portable"])
+def test_conv_matches_transformers(forced, tmp_path):
+    """Independent oracle: HF's own causal_conv1d_update (which mutates its state)."""
+    channels, kernel = 8, 4
+    module = ConvModule(channels, kernel, False, "silu")
+    x, state = conv_inputs(2, channels, 3, kernel, seed=5)
+    written = export_nnef(torch.export.export(module, (x, state)), tmp_path / "c.nnef",
+                          choose={"*": forced})
+    got_out, got_state = tract_check.run(written, (x, state))
+    hf_state = state.clone()
+    want = hf_conv_update(x, hf_state, module.weight.detach(), None, "silu")
+    assert tract_check.relative_error(got_out, want) < 1e-5
+    assert tract_check.relative_error(got_state, hf_state) == 0.0
+
+
+def test_mixed_dtypes_follow_the_contract(tmp_path):
+    """f32 x/state with an f16 weight: arithmetic in f16, out in x's dtype, state in its own."""
+    module = ConvModule(6, 4, True, "silu", F16)
+    args = conv_inputs(2, 6, 4, 4, F32)
+    decisions, comparison, _ = export_checked(module, args, tmp_path / "mixed.nnef", 1e-3)
+    assert list(decisions.values()) == ["portable"]
+    assert comparison.ok, comparison
