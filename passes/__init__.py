@@ -12,17 +12,22 @@ from typing import Any
 import torch
 from torch import fx
 
+from gdn_fx.passes.conv_update import collapse_conv_updates, find_conv_updates
+from gdn_fx.passes.gdn_chunk import collapse_chunked, find_chunked
 from gdn_fx.passes.gdn_recurrent import collapse_recurrences, find_unrolled as _unrolled_steps
-from gdn_fx.passes.program import finish, graph_module_of, sync_output_names
+from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.result import CollapseResult, Miss
 
 # Rules that read a graph and return a rebuilt one: (count key, rule(graph) -> (graph, n, misses)).
 # They run first, on the original graph, since unrolled loops are most of it.
 GRAPH_RULES = (
     ("gated_delta_scan", collapse_recurrences),
+    ("gated_delta_scan", collapse_chunked),
 )
 # Rules that rewrite the (already rebuilt, private) GraphModule in place: rule(gm) -> (n, misses).
-MODULE_RULES = ()
+MODULE_RULES = (
+    ("causal_conv1d_update", collapse_conv_updates),
+)
 
 
 def collapse(program: Any, *, inplace: bool = False) -> CollapseResult:
@@ -35,7 +40,8 @@ def collapse(program: Any, *, inplace: bool = False) -> CollapseResult:
     gm, ep = graph_module_of(program)
     graph, counts, misses = gm.graph, {}, []
     for name, rule in GRAPH_RULES:
-        graph, counts[name], found = rule(graph)
+        graph, count, found = rule(graph)
+        counts[name] = counts.get(name, 0) + count
         misses.extend(found)
     if inplace:
         gm.graph = graph
@@ -51,16 +57,19 @@ def collapse(program: Any, *, inplace: bool = False) -> CollapseResult:
 
 
 def find_unrolled(program: Any) -> list[str]:
-    """What in ``program`` is still an unrolled, length-frozen loop (empty when nothing is)."""
+    """What in ``program`` is frozen at the traced sequence length (empty when nothing is).
+
+    Unrolled recurrence steps, chunked forms, and conv updates whose output slice is a literal.
+    """
     gm, _ = graph_module_of(program)
-    return _unrolled_steps(gm.graph)
+    return _unrolled_steps(gm.graph) + find_chunked(gm.graph) + find_conv_updates(gm.graph)
 
 
 def _sync_export(ep: torch.export.ExportedProgram, gm: fx.GraphModule, inplace: bool):
     """``ep`` (in place) or a new ExportedProgram around ``gm`` sharing its weights."""
     signature = ep.graph_signature if inplace else copy.deepcopy(ep.graph_signature)
     calls = ep.module_call_graph if inplace else copy.deepcopy(ep.module_call_graph)
-    sync_output_names(gm.graph, signature, calls)
+    sync_signature_names(gm.graph, signature, calls)
     if inplace:
         return ep
     return torch.export.ExportedProgram(

@@ -9,8 +9,9 @@ Search pattern (transformers' ``causal_conv1d_update``, and the prefill that fee
     out = act(y[..., window]).to(x.dtype)    (slices, SiLU and casts, in the order HF wrote them)
 
 This module only reads what is there: the feed into the conv (cat or pad, then casts), the
-slices that keep the last K samples of the feed (the state writes) and the chain after the conv
-(slices on the time axis, SiLU, casts). conv_update.py decides whether that is an update.
+slices that keep the last K samples of the feed (the state writes), the chain after the conv
+(slices on the time axis, SiLU, casts) and the window arithmetic on possibly symbolic sizes.
+conv_update.py decides whether that is an update.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any, Optional
 
 import torch
 from torch import fx
-
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gdn_fx.passes.program import ASSERT_META, dtype, shape, val
@@ -80,16 +80,6 @@ class Link:
     extra: list = field(default_factory=list)
 
 
-@dataclass
-class Region:
-    """A candidate conv update: the conv, its feed, the state writes and the output chain."""
-
-    conv: ConvCall
-    feed: Feed
-    tails: list  # slices of feed nodes keeping the last K samples
-    chain: list  # Links after the conv, in order
-
-
 def conv_nodes(graph: fx.Graph) -> list[fx.Node]:
     """Every 1-D convolution call in the graph (input of rank 3)."""
     return [n for n in graph.nodes if n.op == "call_function" and n.target in CONVS
@@ -136,9 +126,13 @@ def mutates(user: fx.Node, node: fx.Node) -> bool:
 
 
 def is_cast(node: Any) -> bool:
-    """A dtype cast, device move or copy that keeps shape and values (up to the dtype)."""
-    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target in CASTS
-            and isinstance(node.args[0], fx.Node) and shape(node) == shape(node.args[0]))
+    """A dtype cast or copy that keeps shape, device and values (up to the dtype)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in CASTS
+            and isinstance(node.args[0], fx.Node)):
+        return False
+    before, after = val(node.args[0]), val(node)
+    return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
+            and before.shape == after.shape and before.device == after.device)
 
 
 def is_write(user: fx.Node, node: fx.Node) -> bool:

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.conv_patterns import (
-    TIME, ConvCall, Feed, Link, conv_call, conv_nodes, dtype_changes, is_write, known,
+    TIME, ConvCall, Feed, conv_call, conv_nodes, dtype_changes, is_write, known,
     mutates, number, read_chain, read_feed, real_users, shorten_feed, single, slice_args,
     start_in, tails,
 )
@@ -159,8 +159,7 @@ def _plan(node: fx.Node, order: dict) -> Optional[Plan]:
                       "state write", node=feed.full)
     zero_dtype = None if feed.state is not None else dtype(found[0])
     _check_state_writes(feed, conv, found, zero_dtype)
-    return _place(Plan(conv, feed, found, ending, node, conv.weight, False,
-                       zero_dtype=zero_dtype), order)
+    return _place(conv, feed, found, ending, zero_dtype, order)
 
 
 # --- the conv itself -----------------------------------------------------------------------
@@ -340,15 +339,16 @@ def _check_state_writes(feed: Feed, conv: ConvCall, found: list, zero_dtype) -> 
 
 # --- where the fused node goes -------------------------------------------------------------
 
-def _place(plan: Plan, order: dict) -> Plan:
+def _place(conv: ConvCall, feed: Feed, found: list, ending: Ending, zero_dtype,
+           order: dict) -> Plan:
     """Fix the insertion point, the weight operand, a zero state and what must move."""
-    region = plan.feed.made + plan.tails + [plan.conv.node] + plan.ending.nodes
-    plan.first = min(region, key=order.__getitem__)
-    plan.weight, plan.squeeze = _weight_operand(plan.conv)
-    for operand in (plan.weight, plan.conv.bias, plan.feed.x, plan.feed.state):
-        _hoistable(operand, plan.first, order, plan.hoist)
+    region = feed.made + found + [conv.node] + ending.nodes
+    first = min(region, key=order.__getitem__)
+    plan = Plan(conv, feed, found, ending, first, *_weight_operand(conv), zero_dtype=zero_dtype)
+    for operand in (plan.weight, conv.bias, feed.x, feed.state):
+        _hoistable(operand, first, order, plan.hoist)
     _check_unwritten(plan, order)
-    if plan.feed.state is None:
+    if feed.state is None:
         plan.zeros = _zero_state(plan, order)
     return plan
 

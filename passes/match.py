@@ -13,7 +13,9 @@ index (the timestep), which the caller checks against the loop.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -41,6 +43,7 @@ class Pattern:
     graph: fx.Graph
     outputs: dict  # output name -> pattern node
     anchor: str  # the output from which every pattern node is reachable backwards
+    select_index_is_time: bool = False  # a step pattern: every select reads the same index t
 
     def targets(self) -> set:
         """The op overloads the pattern calls."""
@@ -56,6 +59,7 @@ class Match:
     index: Optional[int] = None  # the time index all selects read
     defects: list = field(default_factory=list)  # (reason, graph node)
     bindings: dict = field(default_factory=dict)  # placeholder name -> graph node
+    missing: list = field(default_factory=list)  # pattern nodes found nowhere (see match_at)
 
     def bound(self, name: str) -> Optional[fx.Node]:
         """The graph node bound to the pattern placeholder ``name`` (None if not bound)."""
@@ -179,14 +183,12 @@ class _Walk:
 
     def _commutative(self, p: fx.Node, n: fx.Node, p_args: dict, n_args: dict) -> None:
         """Operands in the written order, else swapped (``a * b`` is ``b * a``)."""
-        m = self.m
-        saved = (dict(m.nodes), m.index, list(m.defects), dict(m.bindings))
+        saved = _snapshot(self.m)
         try:
             self._arg(p, n, "self", p_args["self"], n_args["self"])
             self._arg(p, n, "other", p_args["other"], n_args["other"])
         except NoMatch as first:
-            m.nodes, m.index, m.defects, m.bindings = (dict(saved[0]), saved[1],
-                                                       list(saved[2]), dict(saved[3]))
+            _restore(self.m, saved)
             try:
                 self._arg(p, n, "other", p_args["self"], n_args["other"])
                 self._arg(p, n, "self", p_args["other"], n_args["self"])
@@ -207,7 +209,7 @@ class _Walk:
         return self._literal(p, n, name, pa, na)
 
     def _literal(self, p: fx.Node, n: fx.Node, name: str, pa: Any, na: Any) -> None:
-        if n.target is SELECT and name == "index":
+        if n.target is SELECT and name == "index" and self.m.pattern.select_index_is_time:
             if self.m.index is None:
                 self.m.index = na
             elif self.m.index != na:
@@ -226,25 +228,126 @@ def _same_float(a: Any, b: Any) -> bool:
     return isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-12 * max(1, abs(a))
 
 
-def match_at(pattern: Pattern, anchor: fx.Node) -> Match:
+def match_at(pattern: Pattern, anchor: fx.Node, complete: bool = False) -> Match:
     """Match ``pattern`` with its anchor output at ``anchor``; raises NoMatch on structure.
 
-    The returned Match may carry literal defects; it is a full structural match.
+    The walk goes backwards from the anchor. Pattern nodes it cannot reach (in-place writes,
+    other outputs) are an error unless ``complete``: then they are searched forwards, among the
+    users of what already matched, and those still missing are listed in ``Match.missing``.
+    The returned Match may carry literal defects; it is a full structural match otherwise.
     A NoMatch raised here carries the partial match as ``partial``.
     """
     walk = _Walk(pattern)
     try:
-        walk.node(pattern.outputs[pattern.anchor], anchor)
+        with _deep_recursion(len(pattern.graph.nodes)):
+            walk.node(pattern.outputs[pattern.anchor], anchor)
     except NoMatch as err:
         err.partial = walk.m
         raise
     missing = [p for p in pattern.graph.nodes if p.op == "call_function" and p not in walk.m.nodes]
-    if missing:  # pattern nodes unreachable from the anchor (a pattern bug, not a graph one)
+    if missing and not complete:  # unreachable from the anchor: a pattern bug, not a graph one
         raise AssertionError(f"pattern {pattern.name}: {missing} unreachable from the anchor")
+    with _deep_recursion(len(pattern.graph.nodes)):
+        walk.m.missing = _complete_forward(walk, missing)
     return walk.m
 
 
+@contextlib.contextmanager
+def _deep_recursion(nodes: int):
+    """The walk recurses once per node along a path; templates have paths of ~1,500 nodes."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 8 * nodes + 1000))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
+def _complete_forward(walk: _Walk, missing: list) -> list:
+    """Match the pattern nodes the backward walk missed, from the users of matched nodes.
+
+    A node found this way has its other inputs matched backwards from it, so an in-place write
+    (a sink) brings the whole computation of the value it writes.
+    """
+    left = list(missing)
+    progress = True
+    while left and progress:
+        progress = False
+        for p in list(left):
+            if p in walk.m.nodes:  # matched meanwhile, as an input of another node
+                left.remove(p)
+                continue
+            known = [i for i in p.all_input_nodes if i in walk.m.nodes]
+            if known and _try_users(walk, p, walk.m.nodes[known[0]]):
+                left.remove(p)
+                progress = True
+    return left
+
+
+def _try_users(walk: _Walk, p: fx.Node, source: fx.Node) -> bool:
+    """Match ``p`` to a user of ``source``: one without literal defects if there is one."""
+    used = set(walk.m.nodes.values())
+    candidates = [c for c in source.users if c.target == p.target and c not in used]
+    fallback = None
+    for candidate in candidates:
+        saved = _snapshot(walk.m)
+        try:
+            walk.node(p, candidate)
+        except NoMatch:
+            _restore(walk.m, saved)
+            continue
+        if len(walk.m.defects) == len(saved[2]):
+            return True
+        fallback = fallback or candidate
+        _restore(walk.m, saved)
+    if fallback is not None:  # keep a defective match: its defects say what is wrong
+        walk.node(p, fallback)
+        return True
+    return False
+
+
+def _snapshot(m: Match) -> tuple:
+    return dict(m.nodes), m.index, list(m.defects), dict(m.bindings)
+
+
+def _restore(m: Match, saved: tuple) -> None:
+    m.nodes, m.index, m.defects, m.bindings = (dict(saved[0]), saved[1], list(saved[2]),
+                                               dict(saved[3]))
+
+
+def order_problem(match: Match, order: dict) -> Optional[str]:
+    """Why the matched nodes run in another order than the pattern's (None if they don't).
+
+    With in-place writes, data edges do not say everything: a read of a buffer sees the writes
+    placed before it. Same structure and same order means same meaning.
+    """
+    p_order = {p: i for i, p in enumerate(match.pattern.graph.nodes)}
+    pairs = sorted(((order[n], p_order[p], p) for p, n in match.nodes.items()
+                    if p.op == "call_function"), key=lambda x: x[0])
+    for (_, a, pa), (_, b, pb) in zip(pairs, pairs[1:]):
+        if b < a:
+            return f"{op_name(pb.target)} runs before {op_name(pa.target)}, unlike the pattern"
+    return None
+
+
 def outside_users(match: Match) -> list[tuple[fx.Node, fx.Node]]:
-    """(inner node, user) pairs where a matched inner value is read outside the match."""
+    """(inner node, user) pairs where a matched inner value is read outside the match.
+
+    Dead users (pure nodes whose results nobody reads) do not count: they go with the region.
+    """
     inside = set(match.nodes.values())
-    return [(n, u) for n in match.inner() for u in n.users if u not in inside]
+    return [(n, u) for n in match.inner() for u in n.users if u not in inside and not is_dead(u)]
+
+
+def is_dead(node: fx.Node) -> bool:
+    """A pure node whose value, directly or through other pure nodes, reaches nothing."""
+    todo, seen = [node], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op != "call_function" or current.is_impure():
+            return False
+        todo.extend(current.users)
+    return True

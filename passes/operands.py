@@ -17,7 +17,6 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.program import dtype, shape
-from gdn_fx.passes.steps import SOURCES, Step
 
 ATEN = torch.ops.aten
 L2NORM_EPS = 1e-6
@@ -35,16 +34,21 @@ class Operands:
     to_time_major: set = field(default_factory=set)
 
 
-def scan_operands(head: Step) -> Operands:
-    """Trace each source of the loop back through what the fused op can absorb."""
-    src = {name: head.source(name) for name in SOURCES}
-    q, scale = _peel_scale(src["q"])
+def scan_operands(sources: dict, state: fx.Node, head_major: bool,
+                  scale: Optional[float] = None) -> Operands:
+    """Trace each source of the loop back through what the fused op can absorb.
+
+    ``head_major``: the sources are [B, H, T, ...] (else [B, T, H, ...]); ``scale`` is given
+    when the region itself scales q (else a scale in the prologue is peeled).
+    """
+    src = dict(sources)
+    q, peeled = _peel_scale(src["q"]) if scale is None else (src["q"], scale)
     qn, kn = _l2norm(q), _l2norm(src["k"])
     l2 = qn is not None and kn is not None
     nodes = {**src, "q": qn if l2 else q, "k": kn if l2 else src["k"]}
     nodes = {name: _peel_casts(node) for name, node in nodes.items()}
-    ops = Operands(nodes, scale, l2)
-    if head.kind == "gdn":  # head-major sources: find (or later insert) the transpose back
+    ops = Operands(nodes, peeled, l2)
+    if head_major:  # find (or later insert) the transpose back to time-major
         for name, node in nodes.items():
             inner = _transposed(node)
             if inner is None:
@@ -53,9 +57,9 @@ def scan_operands(head: Step) -> Operands:
                 nodes[name] = _peel_casts(inner)
     if not ops.to_time_major & {"q", "k"}:
         _peel_repeats(nodes)
-    if head.kind == "kda" and "g" not in ops.to_time_major:
+    if "g" not in ops.to_time_major:  # a per-head gate expanded over keys
         nodes["g"] = _scalar_gate(nodes["g"]) or nodes["g"]
-    ops.nodes["state"] = _peel_aliases(head.state_in)
+    ops.nodes["state"] = _peel_aliases(state)
     return ops
 
 

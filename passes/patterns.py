@@ -70,7 +70,8 @@ def _signature(graph: fx.Graph) -> tuple:
 def _as_pattern(name: str, graph: fx.Graph) -> Pattern:
     output = next(n for n in graph.nodes if n.op == "output")
     state, out = output.args[0]
-    return Pattern(name, graph, {"state": state, "out": out}, anchor="out")
+    return Pattern(name, graph, {"state": state, "out": out}, anchor="out",
+                   select_index_is_time=True)
 
 
 @functools.cache

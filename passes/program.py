@@ -98,19 +98,23 @@ def finish(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def sync_output_names(graph: fx.Graph, signature, module_call_graph) -> None:
-    """Point an export signature's output specs at the nodes the graph now returns.
+def sync_signature_names(graph: fx.Graph, signature, module_call_graph) -> None:
+    """Point an export signature at the nodes the graph now has.
 
-    A rewrite may replace the node an output reads (a state written back, a loop's output).
+    A rewrite may replace the node an output reads (a state written back, a loop's output),
+    and copying a graph may rename a placeholder whose name shadows a builtin (``input``).
     """
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     renames = {}
-    for spec, arg in zip(signature.output_specs, outputs):
-        if isinstance(arg, fx.Node) and hasattr(spec.arg, "name") and spec.arg.name != arg.name:
-            renames[spec.arg.name] = arg.name
-            spec.arg.name = arg.name
+    pairs = list(zip(signature.input_specs, placeholders)) + list(
+        zip(signature.output_specs, outputs))
+    for spec, node in pairs:
+        if isinstance(node, fx.Node) and hasattr(spec.arg, "name") and spec.arg.name != node.name:
+            renames[spec.arg.name] = node.name
+            spec.arg.name = node.name
     for entry in module_call_graph:
         if entry.signature is not None:
-            for out in entry.signature.outputs:
-                if getattr(out, "name", None) in renames:
-                    out.name = renames[out.name]
+            for arg in entry.signature.inputs + entry.signature.outputs:
+                if getattr(arg, "name", None) in renames:
+                    arg.name = renames[arg.name]

@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 from torch import fx
 
+from gdn_fx.passes.match import is_dead
+
 ASSERT_META = torch.ops.aten._assert_tensor_metadata.default
 
 Emit = Callable[[fx.Graph, Callable[[fx.Node], fx.Node]], dict]
@@ -64,6 +66,9 @@ def _left_behind(graph: fx.Graph, fusions: list[Fusion]) -> set:
             continue
         readers = [u for u in node.users if u.target is not ASSERT_META]
         if readers and all(u in gone for u in readers) and not node.is_impure():
+            gone.add(node)
+    for node in graph.nodes:  # dead code hanging off the region goes with it
+        if node not in gone and any(i in gone for i in node.all_input_nodes) and is_dead(node):
             gone.add(node)
     gone |= {n for n in graph.nodes if n.target is ASSERT_META and n.args[0] in gone}
     return gone

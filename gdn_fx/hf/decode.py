@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.export import Dim
 from transformers import DynamicCache
 
 from gdn_fx.hf import patching
@@ -58,12 +59,37 @@ class DecodeStep(nn.Module):
             linear_class = patching.DeferringLinearAttentionLayer if self._can_defer() else None
             cache = build_cache(self.model.config, self.specs, [s.clone() for s in states],
                                 linear_class=linear_class)
-            out = self.model(input_ids=input_ids, cache=cache, use_cache=True)
-            if patching.PENDING.entry is not None:  # a deferred conv state was never written
+            try:
+                logits = self.model(input_ids=input_ids, cache=cache, use_cache=True).logits
+                unconsumed = patching.PENDING.entry is not None
+            finally:
                 patching.PENDING.entry = None
-                raise RuntimeError("a deferred conv-state update was not consumed: some "
-                                   "causal_conv1d_fn does not know gdn-fx's deferral")
-        return (out.logits, *read_cache(cache, self.specs))
+        if unconsumed:  # never return a conv state that was not written
+            raise RuntimeError("a deferred conv-state update was not consumed: some "
+                               "causal_conv1d_fn does not know gdn-fx's deferral")
+        return (logits, *read_cache(cache, self.specs))
+
+    def dynamic_shapes(self, min_seq: int = 2, max_seq: Optional[int] = None) -> tuple:
+        """``dynamic_shapes`` for ``torch.export.export(step, args, ...)``: a dynamic number
+        of new tokens, everything else static.
+
+        ``min_seq`` defaults to 2 because transformers branches on ``S == 1`` (export decode
+        separately). ``Dim.DYNAMIC`` rather than a named ``Dim``: GQA attention's
+        ``repeat_kv`` adds a guard (``Min(a, 2a) == a``) that is true for every S but that a
+        strict named Dim refuses. Only a model whose per-token loops are gone (reified)
+        exports this way.
+        """
+        seq = Dim.DYNAMIC(min=min_seq, max=max_seq) if max_seq else Dim.DYNAMIC(min=min_seq)
+        return ({1: seq}, tuple(None for _ in self.specs))
+
+    @property
+    def expected_fusions(self) -> dict[str, int]:
+        """How many fused nodes a fully collapsed (or reified) step holds, per op name: one
+        scan per delta-rule layer, one conv update per conv state."""
+        has_rule = any(m.rule_kind is not None for m in self.modules_)
+        recurrent = sum(s.kind == "recurrent" for s in self.specs)
+        return {"gated_delta_scan": recurrent if has_rule else 0,
+                "causal_conv1d_update": sum(s.kind == "conv" for s in self.specs)}
 
     def _can_defer(self) -> bool:
         """Whether every conv function the model calls consumes deferred conv updates."""

@@ -179,16 +179,18 @@ class Reified:
         self.undo()
 
 
-def reify(model: nn.Module, *, exact: bool = False) -> Reified:
+def reify(model: nn.Module, *, exact: bool = False, conv: bool = True) -> Reified:
     """Swap ``model``'s delta rules and conv functions for gdn-fx op drop-ins (see module doc).
 
     ``exact=True`` keeps q/k normalization and scaling outside the scan op, in transformers'
-    own formulas, so reified f32 decode is bit-identical to transformers; the default hands
-    them to the op (``qk_l2norm=True``), the form the native lowering needs.
+    own formulas, so the reified rules reproduce transformers' f32 recurrent rule bit for bit;
+    the default hands them to the op (``qk_l2norm=True``), the form the native lowering needs.
+    ``conv=False`` leaves the conv functions alone (only the delta rules are swapped).
     """
     modules = patching.modeling_modules(model)
     if not any(m.rule_kind is not None or m.has_conv for m in modules):
         raise UnsupportedModel(f"{type(model).__name__}: no linear-attention or conv layers "
                                "found in its modeling files")
-    swaps = [s for m in modules for s in (*_rule_swaps(m, exact), *_conv_swaps(m))]
+    swaps = [s for m in modules
+             for s in (*_rule_swaps(m, exact), *(_conv_swaps(m) if conv else []))]
     return Reified(modules, patching.Patches(swaps).apply())

@@ -141,6 +141,11 @@ def _fill_attention(layer, spec: StateSpec, tensor: Tensor) -> None:
     layer.device = tensor.device
     layer.is_initialized = True
     if isinstance(layer, DynamicSlidingWindowLayer) and spec.kind == "key":
+        if tensor.shape[-2] >= layer.sliding_window - 1:
+            # The layer then keeps only its window: the absolute position is lost.
+            raise ShapeError(f"state '{spec.name}': {tensor.shape[-2]} cached tokens reach the "
+                             f"sliding window ({layer.sliding_window}) minus one; explicit "
+                             "states cannot carry positions beyond it")
         layer.cumulative_length = tensor.shape[-2]
         layer._sliding_window_tensor = layer._sliding_window_tensor.to(tensor.device)
 

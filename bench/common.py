@@ -1,0 +1,380 @@
+"""Shared harness of the benchmarks: interleaved timing, markdown tables, the programs measured.
+
+The machines are shared and noisy, so every comparison is made inside ONE run: the things
+compared are sampled round-robin (the starting candidate rotates each round), each sample is
+the mean of enough calls to last ``min_time``, and a ratio is the median over rounds of the
+per-round ratio (paired samples, so a slow spell hits both sides of a ratio alike).
+
+Nothing here asserts a speed: benchmarks print tables, tests never time anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import re
+import shlex
+import statistics
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+# Qwen3.5's linear-attention layer core: 16 value heads of width 128 (keys too), one sequence.
+HEADS, WIDTH, BATCH = 16, 128, 1
+GDN_OP, CONV_OP = "gated_delta_scan", "causal_conv1d_update"
+CORE_INPUTS = ["q", "k", "v", "g", "beta", "s0"]
+CORE_OUTPUTS = ["out", "state"]
+
+
+# --- command line and headers ---------------------------------------------------------------
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark script takes (--quick, --rounds, --workdir)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: small sizes, 1-2 rounds")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timing rounds (default: 7 full, 2 quick)")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="where NNEF files go (default: a fresh temporary folder)")
+    return ap
+
+
+def rounds_for(args: argparse.Namespace, full: int = 7, quick: int = 2) -> int:
+    return args.rounds if args.rounds is not None else (quick if args.quick else full)
+
+
+def workdir(args: argparse.Namespace, name: str) -> Path:
+    """A folder for the NNEF files of one script (kept only when --workdir is given)."""
+    if args.workdir is not None:
+        folder = args.workdir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=f"gdn_fx_{name}_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def command_line() -> str:
+    """The exact command that runs this script, as typed from the repository root."""
+    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else \
+        sys.executable
+    return shlex.join([python, *sys.argv])
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("torch", "transformers", "torch_to_nnef", "tract"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} (absent)")
+    return ", ".join(found)
+
+
+def header(title: str, measured: str) -> str:
+    """The lines above a table: what was measured, on what machine, by which command."""
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return "\n".join([
+        f"### {title}",
+        "",
+        f"Measured: {measured}",
+        f"Machine: nproc {os.cpu_count()}, torch threads {torch.get_num_threads()}, "
+        f"load average {load}; {versions()}",
+        f"Command: `{command_line()}`",
+        "",
+    ])
+
+
+def markdown(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table; cells are str()-ed, None prints as '-'."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join("-" if c is None else str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def emit(text: str) -> None:
+    print(text, flush=True)
+
+
+# --- number formatting ----------------------------------------------------------------------
+
+def ms(seconds: Optional[float]) -> Optional[str]:
+    """Seconds as milliseconds with 3 significant digits."""
+    if seconds is None or math.isnan(seconds):
+        return None
+    value = seconds * 1e3
+    return f"{value:.3g}" if value < 1000 else f"{value:,.0f}"
+
+
+def ratio(value: Optional[float]) -> Optional[str]:
+    if value is None or math.isnan(value):
+        return None
+    return f"{value:.3g}x"
+
+
+def percent(value: Optional[float]) -> Optional[str]:
+    return None if value is None else f"{100 * value:.2g}%"
+
+
+# --- timing ---------------------------------------------------------------------------------
+
+def once(fn: Callable[[], object]) -> tuple[float, object]:
+    """(seconds, result) of one call."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def _per_call(fn: Callable[[], object], number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - start) / number
+
+
+def calibrate(fn: Callable[[], object], min_time: float, warmup: int) -> int:
+    """Calls per sample so that one sample lasts about ``min_time`` (after ``warmup`` calls)."""
+    seconds = 0.0
+    for _ in range(max(1, warmup)):
+        seconds, _ = once(fn)
+    return max(1, min(10_000, math.ceil(min_time / max(seconds, 1e-7))))
+
+
+def median_of(values) -> float:
+    return statistics.median(list(values))
+
+
+@dataclass
+class Samples:
+    """Per-round seconds-per-call of each candidate, sampled round-robin."""
+
+    rounds: dict[str, list[float]]
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.rounds[name])
+
+    def ratio(self, name: str, reference: str) -> float:
+        """Median over rounds of (name / reference), each round's pair measured together."""
+        pairs = zip(self.rounds[name], self.rounds[reference])
+        return statistics.median(a / b for a, b in pairs)
+
+    def fastest(self, names: Optional[Sequence[str]] = None) -> str:
+        return min(names or self.rounds, key=self.median)
+
+
+def interleave(calls: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2,
+               min_time: float = 0.05) -> Samples:
+    """Time each callable round-robin: ``rounds`` samples each, starting point rotating."""
+    names = list(calls)
+    numbers = {name: calibrate(calls[name], min_time, warmup) for name in names}
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    gc.collect()
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(_per_call(calls[name], numbers[name]))
+    return Samples(samples)
+
+
+# --- the layer core: transformers' own rules -------------------------------------------------
+
+class Core(nn.Module):
+    """One GDN layer core as Qwen3.5 runs it: transformers' recurrent (or chunk) delta rule with
+    l2-normalised q/k in the kernel, an initial state given, the final state returned."""
+
+    def __init__(self, rule: str = "recurrent"):
+        super().__init__()
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+        rules = {"recurrent": hf.torch_recurrent_gated_delta_rule,
+                 "chunk": hf.torch_chunk_gated_delta_rule}
+        self.rule = rules[rule]
+
+    def forward(self, q, k, v, g, beta, s0):
+        return self.rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+
+
+def core_inputs(seq: int, heads: int = HEADS, width: int = WIDTH, batch: int = BATCH,
+                seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q, k, v [B,S,H,D], g (log decay) and beta [B,S,H], s0 [B,H,D,D], f32, realistic ranges."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    g = torch.nn.functional.logsigmoid(rnd(batch, seq, heads) + 3.0)  # decays near 1, as trained
+    beta = torch.sigmoid(rnd(batch, seq, heads))
+    return (rnd(batch, seq, heads, width), rnd(batch, seq, heads, width),
+            rnd(batch, seq, heads, width), g, beta, 0.1 * rnd(batch, heads, width, width))
+
+
+def export_core(seq: int) -> torch.export.ExportedProgram:
+    """The recurrent rule at length ``seq`` through torch.export (training IR, unrolled)."""
+    return torch.export.export(Core("recurrent"), core_inputs(seq))
+
+
+def flat_tensors(outputs) -> list[torch.Tensor]:
+    """The tensor leaves of a (nested) output, in order."""
+    leaves = torch.utils._pytree.tree_leaves(outputs)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def count_nodes(program) -> int:
+    graph = program.graph if hasattr(program, "graph") else program.graph_module.graph
+    return len(graph.nodes)
+
+
+def silence_warnings() -> None:
+    """Quiet the libraries' per-call notices (torch-to-nnef version notes, FLA fallbacks)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("torch_to_nnef", "transformers", "gdn_fx", "torch._export", "torch.export"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+# --- lowering candidates and NNEF files ------------------------------------------------------
+
+def candidates(op: str) -> tuple[str, ...]:
+    """The candidate names of ``op`` in the lowering table, in table order (read each run, so
+    a candidate added to the table is benchmarked without touching the benchmarks)."""
+    from gdn_fx.lowering.table import candidate_names
+
+    return candidate_names()[op]
+
+
+@dataclass
+class Written:
+    """An NNEF file written for one path (a candidate or the unrolled graph), or why not."""
+
+    name: str
+    path: Optional[Path]
+    write_seconds: float = float("nan")
+    error: Optional[str] = None
+
+
+def write_nnef(program, path: Path, name: str, choose: Optional[dict] = None,
+               input_names: Optional[list] = None,
+               output_names: Optional[list] = None) -> Written:
+    """export_nnef with one candidate forced (or the un-collapsed program when choose is None);
+    a refusal is recorded, not raised, so one broken candidate does not stop a benchmark."""
+    import gdn_fx
+
+    try:
+        seconds, written = once(lambda: gdn_fx.export_nnef(
+            program, path, choose=choose, input_names=input_names, output_names=output_names))
+    except Exception as exc:  # noqa: BLE001  (the table shows why this path is missing)
+        return Written(name, None, error=f"{type(exc).__name__}: {first_line(exc)}")
+    return Written(name, Path(written), seconds)
+
+
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def graph_text(path: Path) -> str:
+    from gdn_fx.tract_check import nnef_text
+
+    return nnef_text(path)
+
+
+_STATEMENT = re.compile(r"^\s*[\w\s,\[\]()]+?=\s*([A-Za-z_][\w:]*)\s*[<(]", re.MULTILINE)
+
+
+def nnef_ops(text: str) -> tuple[int, int, int]:
+    """(operations in the main graph body, of which ``variable``s, operations inside fragment
+    definitions) of a graph.nnef text. Fragments are written once, whatever the length."""
+    start = re.search(r"^graph ", text, re.MULTILINE)
+    cut = start.start() if start else 0
+    names = _STATEMENT.findall(text[cut:])
+    fragment_ops = len(_STATEMENT.findall(text[:cut]))
+    return len(names), sum(1 for n in names if n == "variable"), fragment_ops
+
+
+def archive_bytes(path: Path) -> tuple[int, int]:
+    """(file size on disk, uncompressed bytes of all members) of an NNEF archive or folder."""
+    if path.is_dir():
+        sizes = [p.stat().st_size for p in path.rglob("*") if p.is_file()]
+        return sum(sizes), sum(sizes)
+    with tarfile.open(path) as archive:
+        members = sum(m.size for m in archive.getmembers() if m.isfile())
+    return path.stat().st_size, members
+
+
+def human_bytes(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return str(count)
+
+
+# --- tract -----------------------------------------------------------------------------------
+
+@dataclass
+class Loaded:
+    """A tract runnable and what it cost to get it (seconds)."""
+
+    runnable: object
+    load: float
+    optimize: float
+
+
+def tract_load(path: Path) -> Loaded:
+    """``tract.nnef().with_tract_transformers().load(path)`` then ``into_runnable()``, timed."""
+    import tract
+
+    nnef = tract.nnef().with_tract_transformers()
+    load_seconds, model = once(lambda: nnef.load(str(path)))
+    optimize_seconds, runnable = once(model.into_runnable)
+    return Loaded(runnable, load_seconds, optimize_seconds)
+
+
+def numpy_inputs(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    return [t.detach().contiguous().numpy() for t in tensors]
+
+
+def tract_call(runnable, arrays: list[np.ndarray]) -> Callable[[], object]:
+    """A no-argument call running ``runnable`` on fixed inputs (the timed unit)."""
+    return lambda: runnable.run(arrays)
+
+
+def rel_error(runnable, arrays: list[np.ndarray], want: Sequence[torch.Tensor]) -> float:
+    """Largest relative error (max|tract - torch| / max|torch|) over the outputs."""
+    from gdn_fx.tract_check import relative_error
+
+    got = [t.to_numpy() for t in runnable.run(arrays)]
+    return max(relative_error(g, w) for g, w in zip(got, want))
+
+
+def error_cell(error: Optional[float], tolerance: float = 1e-4) -> Optional[str]:
+    """The relative error, flagged WRONG past ``tolerance`` (a fast wrong path is no path)."""
+    if error is None:
+        return None
+    return f"{error:.1e}" + ("" if error <= tolerance else " WRONG")

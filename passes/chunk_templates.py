@@ -1,0 +1,165 @@
+"""Templates of transformers' chunked gated-delta rules, traced at the shapes of a candidate.
+
+The chunked form is ~900 nodes whose structure depends on the sequence length (one block per
+chunk) and on the chunk size (an unrolled forward substitution), so it is not written as a
+pattern: the rule reads a candidate's shapes from the graph, calls transformers' own function
+(imported, never copied) at those shapes, traces it the way the graph was traced, and compares.
+
+A template is cut to the algorithm proper. Its inputs are what the function pads (prepared q,
+k, v, beta and gate, head-major f32) and the initial state after ``.to()``; its outputs are the
+head-major [B, H, T, Dv] output before the final transpose, and the final state. The prologue
+and epilogue (repeat, transposes, casts, l2norm, q scale) stay with the operand peeler.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import fx
+
+from gdn_fx.passes.match import Pattern
+
+ATEN = torch.ops.aten
+PADS = (ATEN.pad.default, ATEN.constant_pad_nd.default)
+INPUTS = ("q", "k", "v", "g", "beta")
+
+
+def _qwen_chunk() -> Callable:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    return torch_chunk_gated_delta_rule
+
+
+def _kimi_chunk() -> Callable:
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    return chunk_kimi_delta_attention
+
+
+# kind -> (function, whether the function scales q itself after the cut)
+SOURCES = {"gdn": (_qwen_chunk, False), "kda": (_kimi_chunk, True)}
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """What a template is traced at."""
+
+    kind: str  # "gdn" (gate [B, T, H]) or "kda" (gate [B, T, H, Dk])
+    batch: int
+    heads: int
+    length: int
+    dk: int
+    dv: int
+    chunk: int
+
+    def example(self) -> tuple:
+        b, h, t = self.batch, self.heads, self.length
+        gate = (b, t, h, self.dk) if self.kind == "kda" else (b, t, h)
+        return (torch.randn(b, t, h, self.dk), torch.randn(b, t, h, self.dk),
+                torch.randn(b, t, h, self.dv), -torch.rand(gate), torch.rand(b, t, h),
+                torch.randn(b, h, self.dk, self.dv))
+
+
+class _Rule(torch.nn.Module):
+    def __init__(self, fn: Callable, chunk: int):
+        super().__init__()
+        self.fn, self.chunk = fn, chunk
+
+    def forward(self, q, k, v, g, beta, s0):
+        return self.fn(q, k, v, g, beta, chunk_size=self.chunk, initial_state=s0,
+                       output_final_state=True, use_qk_l2norm_in_kernel=False)
+
+
+@functools.cache
+def chunk_template(shape: ChunkShape, form: str) -> Pattern:
+    """The template for ``shape``, traced in ``form`` ("training", "functional" or "core")."""
+    fn = SOURCES[shape.kind][0]()
+    ep = torch.export.export(_Rule(fn, shape.chunk), shape.example())
+    if form == "functional":
+        ep = ep.run_decompositions({})
+    elif form == "core":
+        ep = ep.run_decompositions()
+    graph = ep.graph_module.graph
+    outputs = _cut(graph)
+    return Pattern(f"chunk_{shape.kind}", graph, outputs, anchor="out")
+
+
+def scales_q_inside(kind: str) -> bool:
+    """Whether the cut template multiplies q by Dk ** -0.5 itself (KDA scales after padding)."""
+    return SOURCES[kind][1]
+
+
+def _cut(graph: fx.Graph) -> dict:
+    """Replace the prologue by placeholders and end at the head-major output; return outputs."""
+    originals = [n for n in graph.nodes if n.op == "placeholder"]
+    first = originals[0]
+    for name, original in zip(INPUTS, originals):
+        pad = _first_pad(original)
+        with graph.inserting_before(first):
+            cut = graph.placeholder(name)
+        cut.meta = dict(pad.args[0].meta)
+        pad.replace_input_with(pad.args[0], cut)
+    with graph.inserting_before(first):
+        state = graph.placeholder("state")
+    state_in = _state_value(originals[-1])
+    state.meta = dict(state_in.meta)
+    state_in.replace_all_uses_with(state)
+    output = next(n for n in graph.nodes if n.op == "output")
+    out, final = output.args[0]
+    head_major = _before_transpose(out)
+    output.args = ((head_major, final),)
+    _drop_dead(graph, originals)
+    return {"out": head_major, "state": final}
+
+
+def _first_pad(placeholder: fx.Node) -> fx.Node:
+    """The pad an input reaches through its prologue (a chain of single-purpose nodes)."""
+    seen, todo = set(), [placeholder]
+    while todo:
+        node = todo.pop(0)
+        for user in node.users:
+            if user.target in PADS:
+                return user
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    raise AssertionError(f"template input {placeholder.name} reaches no pad")
+
+
+def _state_value(placeholder: fx.Node) -> fx.Node:
+    """The initial state as the algorithm reads it: after ``.to()`` when that is a node."""
+    readers = [u for u in placeholder.users if u.target is not ATEN._assert_tensor_metadata.default]
+    aliases = (ATEN.to.device, ATEN.to.dtype, ATEN._to_copy.default, ATEN.alias.default)
+    if len(readers) == 1 and readers[0].target in aliases:
+        return readers[0]
+    return placeholder
+
+
+def _before_transpose(node: fx.Node) -> fx.Node:
+    """The head-major value under the epilogue's casts and transpose back to [B, T, H, Dv]."""
+    while node.target not in (ATEN.transpose.int, ATEN.permute.default):
+        node = node.args[0]
+    return node.args[0]
+
+
+def _drop_dead(graph: fx.Graph, originals: list) -> None:
+    """Remove the cut-off prologue/epilogue: dead pure nodes and the asserts on them."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(graph.nodes):
+            dead_assert = node.target is ATEN._assert_tensor_metadata.default and all(
+                u.target is ATEN._assert_tensor_metadata.default for u in node.args[0].users) \
+                and node.args[0].op != "placeholder"
+            if node.op == "call_function" and not node.users and (dead_assert
+                                                                   or not node.is_impure()):
+                graph.erase_node(node)
+                changed = True
+    for node in originals:
+        for user in list(node.users):  # asserts on the original inputs
+            graph.erase_node(user)
+        if node.op == "placeholder" and not node.users:
+            graph.erase_node(node)
