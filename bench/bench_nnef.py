@@ -7,7 +7,9 @@ over an unrolled loop), so both sides go through the same torch-to-nnef path.
 Operations are the statements of the NNEF main graph body (fragment definitions, written once
 whatever S, are counted apart; ``variable`` statements are counted and also shown apart).
 
-    .venv/bin/python bench/bench_nnef.py            # S = 8, 64, 256
+    .venv/bin/python bench/bench_nnef.py            # S = 8, 64, 256 (the unrolled S=256 file
+                                                    # alone takes ~20 min to write)
+    .venv/bin/python bench/bench_nnef.py --unrolled-max 64   # skip that one
     .venv/bin/python bench/bench_nnef.py --quick    # S = 8
 """
 
@@ -24,7 +26,7 @@ FULL_LENGTHS = (8, 64, 256)
 QUICK_LENGTHS = (8,)
 
 
-def files_for(seq: int, folder: Path) -> list[common.Written]:
+def files_for(seq: int, folder: Path, unrolled_max: int) -> list[common.Written]:
     """One NNEF per lowering candidate of the collapsed program, then the unrolled one."""
     import gdn_fx
 
@@ -33,8 +35,9 @@ def files_for(seq: int, folder: Path) -> list[common.Written]:
     written = [common.write_nnef(collapsed, folder / f"s{seq}_{name}.nnef.tgz", name,
                                  choose={common.GDN_OP: name}, input_names=common.CORE_INPUTS)
                for name in common.candidates(common.GDN_OP)]
-    written.append(common.write_nnef(program, folder / f"s{seq}_unrolled.nnef.tgz", "unrolled",
-                                     input_names=common.CORE_INPUTS))
+    if seq <= unrolled_max:
+        written.append(common.write_nnef(program, folder / f"s{seq}_unrolled.nnef.tgz",
+                                         "unrolled", input_names=common.CORE_INPUTS))
     return written
 
 
@@ -66,12 +69,16 @@ def rows_for(seq: int, written: list[common.Written]) -> list[list]:
 
 
 def main(argv=None) -> None:
-    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
+    ap = common.parser(__doc__.splitlines()[0])
+    ap.add_argument("--unrolled-max", type=int, default=max(FULL_LENGTHS),
+                    help="longest S whose unrolled NNEF is written (torch-to-nnef takes ~20 min "
+                         "at S=256 on a 2-core machine; default %(default)s)")
+    args = ap.parse_args(argv)
     common.silence_warnings()
     folder = common.workdir(args, "nnef")
     rows = []
     for seq in QUICK_LENGTHS if args.quick else FULL_LENGTHS:
-        rows += rows_for(seq, files_for(seq, folder))
+        rows += rows_for(seq, files_for(seq, folder, args.unrolled_max))
     common.emit(common.header(
         "NNEF size: collapsed vs unrolled",
         "statements in the NNEF main graph, graph.nnef text size, uncompressed size of all "

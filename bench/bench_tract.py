@@ -32,7 +32,8 @@ import torch  # noqa: E402
 import common  # noqa: E402
 
 LENGTHS = {"core": ((1, 8, 64, 256, 512), (1, 8)), "model": ((1, 8, 64, 256), (1, 8))}
-# Unrolled graphs load super-linearly in tract (FACTS.md: S=256 ~38 s, S=512 ~300 s + 25 s).
+# Unrolled graphs load super-linearly in tract (FACTS.md: S=256 ~38 s, S=512 ~300 s + 25 s),
+# and torch-to-nnef writes them super-linearly too (bench_nnef: S=64 ~35 s, S=256 ~20 min).
 UNROLLED_MAX = {"core": 256, "model": 64}
 SLOW_LOAD = 5.0  # seconds: a path whose first load takes longer is loaded once only
 TOLERANCE = 1e-4
@@ -69,7 +70,7 @@ class TractPath:
 
 # --- building the cases -----------------------------------------------------------------------
 
-def core_case(seq: int) -> Case:
+def core_case(seq: int, unrolled_max: int) -> Case:
     import gdn_fx
 
     inputs = common.core_inputs(seq)
@@ -78,7 +79,7 @@ def core_case(seq: int) -> Case:
     program = common.export_core(seq)
     eager = {"torch eager recurrent": lambda: _no_grad(recurrent, inputs),
              "torch eager chunk": lambda: _no_grad(chunk, inputs)}
-    unrolled = program if seq <= UNROLLED_MAX["core"] else None
+    unrolled = program if seq <= unrolled_max else None
     return Case(seq, inputs, want, eager, gdn_fx.collapse(program).program, unrolled,
                 common.CORE_INPUTS, common.CORE_OUTPUTS)
 
@@ -99,7 +100,7 @@ def _no_grad(fn: Callable, args: tuple) -> object:
         return fn(*args)
 
 
-def model_case(seq: int) -> Case:
+def model_case(seq: int, unrolled_max: int) -> Case:
     import gdn_fx
     from gdn_fx.hf import DecodeStep, tiny_model
 
@@ -115,7 +116,7 @@ def model_case(seq: int) -> Case:
     program = torch.export.export(recurrent, inputs)
     eager = {"torch eager recurrent": lambda: recurrent.eager(*inputs),
              "torch eager auto (chunk if S>1)": lambda: auto.eager(*inputs)}
-    unrolled = program if seq <= UNROLLED_MAX["model"] else None
+    unrolled = program if seq <= unrolled_max else None
     return Case(seq, inputs, want, eager, gdn_fx.collapse(program).program, unrolled,
                 recurrent.input_names, recurrent.output_names)
 
@@ -268,11 +269,12 @@ DESCRIPTION = {
 }
 
 
-def run_workload(workload: str, lengths, folder: Path, rounds: int, load_rounds: int) -> None:
+def run_workload(workload: str, lengths, unrolled_max: int, folder: Path, rounds: int,
+                 load_rounds: int) -> None:
     build, what = DESCRIPTION[workload]
     rows, timed, refs, skipped = [], [], [], []
     for seq in lengths:
-        case = build(seq)
+        case = build(seq, unrolled_max)
         refs = list(case.eager)
         if case.unrolled is None:
             skipped.append(seq)
@@ -280,8 +282,10 @@ def run_workload(workload: str, lengths, folder: Path, rounds: int, load_rounds:
         rows += found
         timed += times
         del case
-    note = (f" The unrolled graph is skipped at S={', '.join(map(str, skipped))} (tract loads "
-            "unrolled graphs super-linearly: minutes at S=512, FACTS.md)." if skipped else "")
+    note = (f" The unrolled graph is skipped at S={', '.join(map(str, skipped))} (above "
+            f"--unrolled-max {unrolled_max}: torch-to-nnef writes and tract loads unrolled graphs "
+            "super-linearly, ~20 min to write at S=256, minutes to load at S=512)."
+            if skipped else "")
     report(workload, rows, timed, refs,
            f"{what}. load / into_runnable: median of up to {load_rounds} loads (one if the "
            f"first takes > {SLOW_LOAD:.0f} s); run: median over {rounds} interleaved rounds; "
@@ -292,6 +296,9 @@ def main(argv=None) -> None:
     ap = common.parser(__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("core", "model", "both"), default="both")
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--unrolled-max", type=int, default=None,
+                    help="longest S for which the unrolled graph is measured (default: "
+                         + ", ".join(f"{k} {v}" for k, v in UNROLLED_MAX.items()) + ")")
     args = ap.parse_args(argv)
     common.silence_warnings()
     torch.set_num_threads(1)  # torch eager on one thread, as the issue asks
@@ -301,7 +308,8 @@ def main(argv=None) -> None:
     for workload in ("core", "model") if args.part == "both" else (args.part,):
         full, quick = LENGTHS[workload]
         lengths = args.lengths or (quick if args.quick else full)
-        run_workload(workload, lengths, folder, rounds, load_rounds)
+        unrolled_max = UNROLLED_MAX[workload] if args.unrolled_max is None else args.unrolled_max
+        run_workload(workload, lengths, unrolled_max, folder, rounds, load_rounds)
 
 
 if __name__ == "__main__":

@@ -289,8 +289,18 @@ def write_nnef(program, path: Path, name: str, choose: Optional[dict] = None,
         seconds, written = once(lambda: gdn_fx.export_nnef(
             program, path, choose=choose, input_names=input_names, output_names=output_names))
     except Exception as exc:  # noqa: BLE001  (the table shows why this path is missing)
-        return Written(name, None, error=f"{type(exc).__name__}: {first_line(exc)}")
+        return Written(name, None, error=f"{type(exc).__name__}: {refusal(exc, name)}")
     return Written(name, Path(written), seconds)
+
+
+def refusal(exc: BaseException, name: str) -> str:
+    """The reason a forced candidate gave (LoweringUnsupported lists every candidate's reason
+    after the node's description), else the error's first line."""
+    text = " ".join(str(exc).split())
+    found = re.search(rf"\b{re.escape(name)}: (.*?)(?:; \w+: |\)$)", text)
+    if found and "choose forces" not in found.group(1):
+        return first_line(RuntimeError(found.group(1)))
+    return first_line(exc)
 
 
 def first_line(exc: BaseException, limit: int = 160) -> str:

@@ -10,9 +10,12 @@ the remaining ones are "removed" or "added".
 from __future__ import annotations
 
 import hashlib
+import re
+import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Union
 
 import networkx as nx
 import torch
@@ -45,7 +48,13 @@ def local_signature(node: fx.Node) -> str:
 
 
 def to_networkx(program: Any) -> nx.DiGraph:
-    """The program's graph as a DiGraph; node attributes: op, target, signature, order."""
+    """The program's graph as a DiGraph; node attributes: op, target, signature, order.
+
+    ``program`` is an ExportedProgram, GraphModule, fx.Graph, or already a DiGraph (as
+    :func:`nnef_graph` makes).
+    """
+    if isinstance(program, nx.DiGraph):
+        return program
     graph = nx.DiGraph()
     for order, node in enumerate(_graph_of(program).nodes):
         graph.add_node(node.name, op=node.op, target=_target_name(node),
@@ -138,3 +147,59 @@ def _unmatched(keys: dict, graph: nx.DiGraph, common: Counter) -> list:
 def _op_counts(graph: nx.DiGraph) -> Counter:
     return Counter(data["target"] for _, data in graph.nodes(data=True)
                    if data["op"] == "call_function")
+
+
+_ASSIGN = re.compile(r"^\s*\(?([\w\s,]+?)\)?\s*=\s*([\w:]+)\s*(?:<[^>]*>)?\s*\((.*)\)\s*;\s*$")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def nnef_graph(path: Union[str, Path]) -> nx.DiGraph:
+    """An NNEF export (folder, .tar or .tgz) as a DiGraph, comparable with :func:`graph_diff`.
+
+    One node per assignment in ``graph.nnef``; its target is the NNEF op; attributes given as
+    ``name = value`` make the signature; tensor arguments make the edges.
+    """
+    text = read_graph_text(path)
+    graph, order = nx.DiGraph(), 0
+    for line in text.splitlines():
+        found = _ASSIGN.match(line)
+        if not found:
+            continue
+        outputs = [o.strip() for o in found.group(1).split(",")]
+        op, args = found.group(2), found.group(3)
+        inputs = [n for n in _NAME.findall(_strip_attributes(args)) if n in graph]
+        kind = "placeholder" if op == "external" else "call_function"
+        for out in outputs:
+            graph.add_node(out, op=kind, target=op, order=order,
+                           signature=f"{op}({_attributes(args)})")
+            order += 1
+            for position, source in enumerate(inputs):
+                graph.add_edge(source, out, position=position)
+    return graph
+
+
+def read_graph_text(path: Union[str, Path]) -> str:
+    """The text of ``graph.nnef`` in an NNEF folder or tar archive."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / "graph.nnef").read_text()
+    with tarfile.open(path) as archive:
+        member = next(m for m in archive.getmembers() if m.name.endswith("graph.nnef"))
+        return archive.extractfile(member).read().decode()
+
+
+def _strip_attributes(args: str) -> str:
+    return re.sub(r"\b\w+\s*=\s*(\[[^\]]*\]|\"[^\"]*\"|[^,()]+)", "", args)
+
+
+def _attributes(args: str) -> str:
+    return ",".join(m.group(0).replace(" ", "") for m in
+                    re.finditer(r"\b\w+\s*=\s*(\[[^\]]*\]|\"[^\"]*\"|[^,()]+)", args))
+
+
+def load_graph(path: Union[str, Path]) -> Any:
+    """A saved program (``.pt2`` from torch.export.save) or an NNEF export, for diffing."""
+    path = Path(path)
+    if path.suffix == ".pt2":
+        return torch.export.load(str(path))
+    return nnef_graph(path)

@@ -25,5 +25,9 @@ class LoweringUnsupported(GdnFxError, NotImplementedError):
     """No lowering candidate accepts a fused node (the message lists every candidate's reason)."""
 
 
+class UnsupportedModel(GdnFxError, NotImplementedError):
+    """A model (or a call it makes) that gdn-fx's transformers helpers cannot handle."""
+
+
 class ExportRefused(GdnFxError, RuntimeError):
     """An export would be wrong for some input (e.g. a dynamic axis over an unrolled loop)."""

@@ -18,10 +18,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from gdn_fx.errors import DTypeError, ShapeError
-from gdn_fx.reference import causal_conv1d_update_reference, l2norm, recurrent_delta_rule_reference
+from gdn_fx.reference import l2norm, recurrent_delta_rule_reference
 
 SCAN = "gated_delta_scan"
 CONV = "causal_conv1d_update"
@@ -118,8 +119,16 @@ def causal_conv1d_update(
 ) -> tuple[Tensor, Tensor]:
     """Depthwise causal conv1d of x after the cached samples; returns (out, new_state)."""
     check_conv_operands(x, conv_state, weight, bias, activation)
-    out, new_state = causal_conv1d_update_reference(x, conv_state, weight, bias, activation)
-    return out.contiguous(), new_state.contiguous()  # fresh, dense tensors, as the fake claims
+    # The arithmetic of transformers' causal_conv1d_update (F.conv1d in the weight's dtype),
+    # so a model that calls this op gives bit-identical results; reference.py has the oracle.
+    full = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
+    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])
+    out = out[..., out.shape[-1] - x.shape[-1]:]
+    if activation == "silu":
+        out = F.silu(out)
+    new_state = full[..., full.shape[-1] - conv_state.shape[-1]:].to(conv_state.dtype)
+    dense = torch.contiguous_format  # fresh, dense tensors (even when empty), as the fake says
+    return out.to(x.dtype).clone(memory_format=dense), new_state.clone(memory_format=dense)
 
 
 @causal_conv1d_update.register_fake

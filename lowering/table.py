@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from gdn_fx.errors import LoweringUnsupported
-from gdn_fx.lowering import conv_native, conv_portable, gdn_native, gdn_scan
+from gdn_fx.lowering import (conv_native, conv_portable, gdn_chunked, gdn_matmul, gdn_native,
+                             gdn_scan)
 from gdn_fx.lowering.choice import Choice
 from gdn_fx.lowering.facts import ConvFacts, ScanFacts, describe
 from gdn_fx.lowering.target import Target
@@ -37,6 +38,10 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
     "gated_delta_scan": (
         Candidate("native", gdn_native.check, gdn_native.emit),
         Candidate("scan", gdn_scan.check, gdn_scan.emit),
+        Candidate("matmul_step", gdn_matmul.check_step, gdn_matmul.emit_step),
+        Candidate("matmul", gdn_matmul.check, gdn_matmul.emit),
+        Candidate("chunked_unrolled", gdn_chunked.check_unrolled, gdn_chunked.emit_unrolled),
+        Candidate("chunked", gdn_chunked.check, gdn_chunked.emit),
     ),
     "causal_conv1d_update": (
         Candidate("native", conv_native.check, conv_native.emit),

@@ -68,7 +68,10 @@ def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
         return {"out": out, "final": final, "value": value}
 
     drop = region.nodes | set(region.erase)
-    anchor = min(drop, key=order.__getitem__)
+    # Emit at the region's first node that follows every operand (HF's chunked rule makes its
+    # zero state halfway through the region).
+    ready = max(order[n] for n in ops.nodes.values())
+    anchor = min((n for n in drop if order[n] > ready), key=order.__getitem__)
     return Fusion(anchor, emit, set(ops.nodes.values()), replace, drop)
 
 

@@ -11,6 +11,15 @@ from gdn_fx.hf import FAMILIES, DecodeStep, tiny_model
 pytestmark = pytest.mark.slow  # whole-model exports; they still run by default
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors: extra intra-op threads only spin against other processes on shared cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _quiet():
     with warnings.catch_warnings():

@@ -15,6 +15,15 @@ LINEAR_TYPES = ("linear_attention", "conv")
 DELTA_FAMILIES = [f for f in FAMILIES if family(f).mixer in ("gdn", "kda")]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors: extra intra-op threads only spin against other processes on shared cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _quiet():
     # transformers warns once per missing fast kernel; dynamo warns about the swaps in forward.

@@ -18,7 +18,14 @@ from transformers import DynamicCache
 
 from gdn_fx.hf import patching
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
-from gdn_fx.hf.states import StateSpec, build_cache, check_states, discover_specs, read_cache
+from gdn_fx.hf.states import (
+    StateSpec,
+    build_cache,
+    check_states,
+    discover_specs,
+    model_device,
+    read_cache,
+)
 
 RULES = ("auto", "recurrent")
 
@@ -40,7 +47,7 @@ class DecodeStep(nn.Module):
         self.model = model
         self.rule = rule
         self.specs: list[StateSpec] = discover_specs(model)
-        self.modules_: list[patching.ModelingModule] = patching.modeling_modules(model)
+        self.modeling: list[patching.ModelingModule] = patching.modeling_modules(model)
 
     @property
     def input_names(self) -> list[str]:
@@ -54,7 +61,7 @@ class DecodeStep(nn.Module):
 
     def forward(self, input_ids: Tensor, *states: Tensor) -> tuple[Tensor, ...]:
         check_states(self.specs, states, input_ids.shape[0])
-        swaps = patching.recurrent_swaps(self.modules_) if self.rule == "recurrent" else []
+        swaps = patching.recurrent_swaps(self.modeling) if self.rule == "recurrent" else []
         with patching.Patches(swaps):
             linear_class = patching.DeferringLinearAttentionLayer if self._can_defer() else None
             cache = build_cache(self.model.config, self.specs, [s.clone() for s in states],
@@ -86,14 +93,14 @@ class DecodeStep(nn.Module):
     def expected_fusions(self) -> dict[str, int]:
         """How many fused nodes a fully collapsed (or reified) step holds, per op name: one
         scan per delta-rule layer, one conv update per conv state."""
-        has_rule = any(m.rule_kind is not None for m in self.modules_)
+        has_rule = any(m.rule_kind is not None for m in self.modeling)
         recurrent = sum(s.kind == "recurrent" for s in self.specs)
         return {"gated_delta_scan": recurrent if has_rule else 0,
                 "causal_conv1d_update": sum(s.kind == "conv" for s in self.specs)}
 
     def _can_defer(self) -> bool:
         """Whether every conv function the model calls consumes deferred conv updates."""
-        convs = [getattr(m.module, patching.CONV_FN) for m in self.modules_ if m.has_conv]
+        convs = [getattr(m.module, patching.CONV_FN) for m in self.modeling if m.has_conv]
         return bool(convs) and all(patching.is_consumer(fn) for fn in convs)
 
     def eager(self, *args: Tensor) -> tuple[Tensor, ...]:
@@ -132,8 +139,7 @@ class DecodeStep(nn.Module):
         return [t.clone() for t in read_cache(cache, self.specs)]
 
     def _device(self) -> torch.device:
-        param = next(self.model.parameters(), None)
-        return param.device if param is not None else torch.device("cpu")
+        return model_device(self.model)
 
 
 def _tokens(gen: torch.Generator, batch: int, length: int, device: torch.device) -> Tensor:

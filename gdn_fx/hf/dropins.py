@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 import gdn_fx.ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
-from gdn_fx.errors import GdnFxError
+from gdn_fx.errors import UnsupportedModel
 from gdn_fx.hf import patching
 from gdn_fx.hf.patching import CONV_FN, CONV_UPDATE, RULE_NAMES, ModelingModule
 
@@ -29,10 +29,6 @@ SCAN = torch.ops.gdn_fx.gated_delta_scan
 CONV = torch.ops.gdn_fx.causal_conv1d_update
 # transformers' ACT2FN names that mean SiLU, the only activation the conv op knows.
 SILU_NAMES = ("silu", "swish")
-
-
-class UnsupportedModel(GdnFxError, NotImplementedError):
-    """A model (or a call it makes) that reify cannot run through the gdn-fx ops."""
 
 
 def _activation(name: Optional[str]) -> Optional[str]:

@@ -64,7 +64,7 @@ class StateSpec:
         return tuple(shape)
 
 
-def _layer_entries(index: int, layer) -> list[tuple[str, int, Tensor]]:
+def _layer_entries(layer) -> list[tuple[str, int, Tensor]]:
     """(kind, slot, tensor) for every tensor one cache layer holds."""
     found = []
     if isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -82,12 +82,12 @@ def _layer_entries(index: int, layer) -> list[tuple[str, int, Tensor]]:
 def discover_specs(model: nn.Module) -> list[StateSpec]:
     """Run ``model`` once on a short prompt and describe every tensor its cache then holds."""
     cache = DynamicCache(config=model.config)
-    ids = torch.full((1, PROBE_LEN), 3, dtype=torch.long, device=_device(model))
+    ids = torch.full((1, PROBE_LEN), 3, dtype=torch.long, device=model_device(model))
     with torch.no_grad():
         model(input_ids=ids, cache=cache, use_cache=True)
     specs = []
     for index, layer in enumerate(cache.layers):
-        entries = _layer_entries(index, layer)
+        entries = _layer_entries(layer)
         for kind, slot, tensor in entries:
             shape = list(tensor.shape)
             if KINDS[kind][1] is not None:
@@ -97,7 +97,8 @@ def discover_specs(model: nn.Module) -> list[StateSpec]:
     return specs
 
 
-def _device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (CPU for a parameterless model)."""
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
 

@@ -1,0 +1,187 @@
+"""NNEF text of the chunked (WY) gated-delta form, for GDN (one decay per head) gates.
+
+Per chunk of C steps, with gamma the cumulative log decay inside the chunk, E[i, j] =
+exp(gamma_i - gamma_j) for i >= j (0 above the diagonal) and A = strict_lower(beta_row *
+(k k^T) * E), the delta-rule updates of the chunk solve (I + A) delta = beta (v - e^gamma k S).
+A is nilpotent (A^C = 0), so with T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(C/2))
+the chunk is, from the state S entering it:
+
+    U = (T * beta_col) v                W = (T * (beta e^gamma)_col) k
+    delta = U - W S                     o = e^gamma_row * (q S) + (q k^T * E) delta
+    S' = e^gamma_C S + k^T (e^(gamma_C - gamma) * delta)
+
+T is built by 2x2 blocks: the two diagonal blocks (C/2 wide) are inverted together by the
+product above (log2(C/2) factors), the off-diagonal one is -T22 A21 T11. Everything is exact
+algebra: no triangular solve (NNEF has none), no approximation.
+
+Layouts: M = B * Hk merges batch and key heads; G is the GQA factor. Keys and queries are
+[.., M, 1, C, Dk] and meet the G value heads of their key head by broadcasting (never
+repeated); values, gates, states are [.., M, G, ...]. The sequence is zero-padded to whole
+chunks (zero keys and beta, zero log decay: the padded steps leave the state as it is) and the
+output sliced back; the pad is computed at run time from the sequence length, so a symbolic S
+is served by the same text.
+"""
+
+from __future__ import annotations
+
+from gdn_fx.lowering import gdn_fast_common as common
+from gdn_fx.lowering.facts import ScanFacts
+
+CHUNK_INPUTS = ("q", "k", "kt", "v", "gc", "gr", "bc", "br", "egc", "egr", "r", "ac")
+CHUNK_SOURCES = ("qq", "kk", "kt", "vv", "gc", "gr", "bc", "br", "egc", "egr", "r", "ac")
+CONSTANTS = ("cum", "neg", "strict", "eyeh", "zero4", "zero3")
+
+
+def inverse_lines(source: str, result: str, size: int, eye: str, tag: str) -> list[str]:
+    """``result = (I + source)^-1`` for a strictly lower ``source`` of width ``size``: the
+    product (I - A)(I + A^2)...(I + A^(size/2)), log2(size) factors, 2 log2(size) - 2 matmuls."""
+    lines = [f"{tag}t0 = sub({eye}, {source});", f"{tag}p1 = {source};"]
+    power, i = 2, 0
+    while power < size:
+        lines += [f"{tag}p{i + 2} = matmul({tag}p{i + 1}, {tag}p{i + 1});",
+                  f"{tag}t{i + 1} = add({tag}t{i}, matmul({tag}t{i}, {tag}p{i + 2}));"]
+        power, i = power * 2, i + 1
+    return lines + [f"{result} = copy({tag}t{i});"]
+
+
+def block_inverse_lines(chunk: int) -> list[str]:
+    """``tt = (I + a)^-1`` by 2x2 blocks of width C/2 (see the module docstring)."""
+    h = chunk // 2
+    return [f"a11 = slice(a, axes = [2, 3], begin = [0, 0], end = [{h}, {h}]);",
+            f"a22 = slice(a, axes = [2, 3], begin = [{h}, {h}], end = [{chunk}, {chunk}]);",
+            f"a21 = slice(a, axes = [2, 3], begin = [{h}, 0], end = [{chunk}, {h}]);",
+            "ad = concat([unsqueeze(a11, axes = [2]), unsqueeze(a22, axes = [2])], axis = 2);",
+            *inverse_lines("ad", "td", h, "eyeh", "inv"),
+            "t11 = squeeze(slice(td, axes = [2], begin = [0], end = [1]), axes = [2]);",
+            "t22 = squeeze(slice(td, axes = [2], begin = [1], end = [2]), axes = [2]);",
+            "x21 = neg(matmul(t22, matmul(a21, t11)));",
+            f"tt = concat([pad(t11, padding = [(0, 0), (0, 0), (0, 0), (0, {h})]),"
+            " concat([x21, t22], axis = 3)], axis = 2);"]
+
+
+def chunk_lines(chunk: int) -> list[str]:
+    """One chunk from the state entering it (see the module docstring)."""
+    return ["e = exp(add(sub(gc, gr), neg));",
+            "kkt = matmul(k, kt, transposeB = true);",
+            "qkt = matmul(q, kt, transposeB = true);",
+            "a = mul(mul(kkt, mul(e, strict)), bc);",
+            *block_inverse_lines(chunk),
+            "tb = mul(tt, br);",
+            "u = matmul(tb, v);",
+            "w = matmul(mul(tb, egr), k);",
+            "d = sub(u, matmul(w, state));",
+            "o = add(mul(egc, matmul(q, state)), matmul(mul(qkt, e), d));",
+            "new_state = add(mul(state, ac), matmul(kt, mul(r, d), transposeA = true));"]
+
+
+def _heads_first(name: str, source: str, rank_tail: int, facts: ScanFacts) -> str:
+    """[B, n, C, H, ...] -> [n, B*Hk, G or 1, C, ...] (the value-side split when G given)."""
+    hk, g = facts.key_heads, facts.groups
+    if rank_tail == 1:  # q, k: [B, n, C, Hk, Dk]
+        return (f"{name} = unsqueeze(reshape(transpose({source}, axes = [1, 0, 3, 2, 4]),"
+                " shape = [-1], axis_start = 1, axis_count = 2), axes = [2]);")
+    split = f"reshape({source}, shape = [{hk}, {g}], axis_start = 3, axis_count = 1)"
+    axes = "[1, 0, 3, 4, 2, 5]" if rank_tail == 2 else "[1, 0, 3, 4, 2]"
+    return (f"{name} = reshape(transpose({split}, axes = {axes}), shape = [-1],"
+            " axis_start = 1, axis_count = 2);")
+
+
+def _padded(name: str, source: str, pad: str, tail: str, zero: str, chunk: int) -> list[str]:
+    """``name`` = ``source`` [B, S, ...] zero-padded to whole chunks, as [B, n, C, ...]."""
+    if pad == "0":
+        padded = source
+    else:
+        padded = (f"concat([{source}, tract_core_broadcast({zero}, shape = [b, {pad}{tail}])],"
+                  " axis = 1)")
+    return [f"{name} = reshape({padded}, shape = [-1, {chunk}], axis_start = 1, axis_count = 1);"]
+
+
+def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str) -> list[str]:
+    """Prologue: normalize/scale, pad, chunk and lay out every operand; the gate terms."""
+    hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
+    lines = common.dims_lines() + common.prologue_lines(facts, suffix)
+    for name, source, tail, zero in (("qp", "qs", f", {hk}, {dk}", "zero4"),
+                                     ("kp", "kn", f", {hk}, {dk}", "zero4"),
+                                     ("vp", "v", f", {hv}, {dv}", "zero4"),
+                                     ("gp", "g", f", {hv}", "zero3"),
+                                     ("bp", "beta", f", {hv}", "zero3")):
+        lines += _padded(name, source, pad, tail, zero, chunk)
+    lines += [_heads_first("qq", "qp", 1, facts), _heads_first("kk", "kp", 1, facts),
+              "kt = copy(kk);",  # a second scan source: tract must not see k k^T as one
+              _heads_first("vv", "vp", 2, facts), _heads_first("gg", "gp", 3, facts),
+              _heads_first("bb", "bp", 3, facts)]
+    return lines + [
+        "gr = matmul(unsqueeze(gg, axes = [3]), cum);",  # cumulative sums, as rows
+        "gc = transpose(gr, axes = [0, 1, 2, 4, 3]);",
+        "br = unsqueeze(bb, axes = [3]);",
+        "bc = unsqueeze(bb, axes = [4]);",
+        "egr = exp(gr);",
+        "egc = exp(gc);",
+        f"glast = slice(gc, axes = [3], begin = [{chunk - 1}], end = [{chunk}]);",
+        "r = exp(sub(glast, gc));",
+        "ac = exp(glast);",
+        f"st0 = reshape(s0, shape = [-1, {facts.groups}], axis_start = 0, axis_count = 2);"]
+
+
+def finish_lines(facts: ScanFacts) -> list[str]:
+    """Chunk outputs [n, M, G, C, Dv] back to [B, S, Hv, Dv]; the final state to the contract."""
+    hk = facts.key_heads
+    return [f"o6 = transpose(reshape(oo, shape = [-1, {hk}], axis_start = 1, axis_count = 1),"
+            " axes = [1, 0, 4, 2, 3, 5]);",
+            "o4 = reshape(reshape(o6, shape = [-1], axis_start = 1, axis_count = 2),"
+            " shape = [-1], axis_start = 2, axis_count = 2);",
+            "out = slice(o4, axes = [1], begin = [0], end = [n]);",
+            f"final = reshape(fin, shape = [-1, {facts.value_heads}], axis_start = 0,"
+            " axis_count = 2);"]
+
+
+def scan_loop_lines(suffix: str) -> list[str]:
+    """The chunk recurrence as a tract_core_scan over the chunk axis (axis 0)."""
+    scans = ", ".join(f'("{name}_c", {src}, 0, 1)'
+                      for name, src in zip(CHUNK_INPUTS, CHUNK_SOURCES))
+    fulls = ", ".join(f'("{name}", {name})' for name in ("neg", "strict", "eyeh"))
+    return [f'(fin, oo) = tract_core_scan(body = "gdn_fx_chunked_scan_step{suffix}",',
+            f"    scan = [{scans}],",
+            f'    full = [{fulls}], state = [("state", st0, "new_state")],',
+            '    output = [("new_state", "last", 0, 1), ("o_c", "full", 0, 1)],',
+            "    skip = 0, reset_every_turn = 1);"]
+
+
+def unrolled_loop_lines(chunks: int, suffix: str) -> list[str]:
+    """The chunk recurrence written out for a static number of chunks."""
+    lines, state, outs = [], "st0", []
+    for c in range(chunks):
+        args = ", ".join(f"squeeze(slice({src}, axes = [0], begin = [{c}], end = [{c + 1}]),"
+                         " axes = [0])" for src in CHUNK_SOURCES)
+        lines.append(f"(st{c + 1}, oc{c}) = gdn_fx_chunked_chunk{suffix}({state}, {args},"
+                     " neg, strict, eyeh);")
+        state = f"st{c + 1}"
+        outs.append(f"unsqueeze(oc{c}, axes = [0])")
+    return lines + [f"oo = concat([{', '.join(outs)}], axis = 0);", f"fin = copy({state});"]
+
+
+def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str) -> str:
+    """Every fragment of one node configuration; ``unrolled_chunks`` 0 means the scan form
+    with a run-time pad, else that many chunks written out (static S)."""
+    body_params = ["state", *CHUNK_INPUTS, "neg", "strict", "eyeh"]
+    parts = [common.l2norm_fragment(suffix),
+             common.fragment_text(f"gdn_fx_chunked_chunk{suffix}", body_params,
+                                  ["new_state", "o"], chunk_lines(chunk))]
+    if unrolled_chunks:
+        pad = str(unrolled_chunks * chunk - facts.seq)
+        loop = unrolled_loop_lines(unrolled_chunks, suffix)
+    else:
+        pad = f"(n + {chunk - 1}) / {chunk} * {chunk} - n"
+        loop = scan_loop_lines(suffix)
+        args = ", ".join(f"squeeze({name}_c, axes = [0])" for name in CHUNK_INPUTS)
+        parts.append(common.fragment_text(
+            f"gdn_fx_chunked_scan_step{suffix}",
+            ["state", *(f"{n}_c" for n in CHUNK_INPUTS), "neg", "strict", "eyeh"],
+            ["new_state", "o_c"],
+            [f"(new_state, o) = gdn_fx_chunked_chunk{suffix}(state, {args}, neg, strict, eyeh);",
+             "o_c = unsqueeze(o, axes = [0]);"]))
+    main = prepare_lines(facts, chunk, pad, suffix) + loop + finish_lines(facts)
+    parts.append(common.fragment_text(f"gdn_fx_chunked{suffix}",
+                                      ["q", "k", "v", "g", "beta", "s0", *CONSTANTS],
+                                      ["out", "final"], main))
+    return "\n".join(parts)
