@@ -21,13 +21,125 @@ Program = Union[torch.export.ExportedProgram, fx.GraphModule]
 
 
 def source_module(program: Program) -> fx.GraphModule:
-    """The module whose graph holds the program's nodes (parameters as attributes)."""
+    """The module whose graph holds the program's nodes (parameters as attributes).
+
+    An ExportedProgram with in-place ops (torch.export's training IR) is functionalized first:
+    torch.jit.trace, which torch-to-nnef uses, keeps the value from before an in-place write
+    through a view for later readers, so such a graph would export silently wrong. The fused
+    gdn_fx ops survive functionalization (they have no decomposition).
+    """
     if isinstance(program, torch.export.ExportedProgram):
+        if _writes_in_place(program.graph_module.graph):
+            program = program.run_decompositions({})
         return program.module()
     if isinstance(program, fx.GraphModule):
         return program
     raise UnsupportedProgram(f"expected a torch.export.ExportedProgram or torch.fx.GraphModule, "
                              f"got {type(program).__name__}")
+
+
+def _writes_in_place(graph: fx.Graph) -> bool:
+    return any(getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+               for n in graph.nodes if n.op == "call_function")
+
+
+def float_attention_masks(module: fx.GraphModule) -> int:
+    """Turn boolean SDPA masks into additive float masks (0 / -inf) in the query's dtype.
+
+    tract 0.23.9 compiles scaled_dot_product_attention into its flash kernel, which refuses a
+    boolean mask ("Mask must be floating point") at into_runnable(); transformers passes boolean
+    masks. The additive mask means the same. Returns how many masks were converted.
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        mask = _sdpa_mask(node)
+        if mask is None or mask.meta["val"].dtype != torch.bool:
+            continue
+        query_dtype = node.args[0].meta["val"].dtype
+        with module.graph.inserting_before(node):
+            additive = module.graph.call_function(
+                torch.ops.aten.where.Scalar, (mask, 0.0, float("-inf")))
+            additive = module.graph.call_function(
+                torch.ops.aten._to_copy.default, (additive,), {"dtype": query_dtype})
+        additive.meta["val"] = torch.empty_like(mask.meta["val"], dtype=query_dtype)
+        node.replace_input_with(mask, additive)
+        count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+# Ops functionalization emits that torch-to-nnef has no handler for, and the op that means the
+# same for a traced graph.
+RESPELL = {torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+
+
+def respell(module: fx.GraphModule) -> int:
+    """Replace ops torch-to-nnef lacks by equivalent ones it has (see RESPELL)."""
+    count = 0
+    for node in module.graph.nodes:
+        if node.target in RESPELL:
+            node.target = RESPELL[node.target]
+            count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def unit_step_slice_scatters(module: fx.GraphModule) -> int:
+    """Spell each slice_scatter with a step > 1 as a cat of unit-step slices.
+
+    Functionalized models write strided slices (Qwen3.5's mRoPE: ``f[..., 1:33:3] = ...``) and
+    torch-to-nnef only exports slice_scatter with step 1. Position by position, the result takes
+    the source where the strided slice lands and the base elsewhere; sizes here are static and
+    small (a rotary half-width). Returns how many were rewritten.
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        if node.target is not torch.ops.aten.slice_scatter.default or _step(node) == 1:
+            continue
+        with module.graph.inserting_before(node):
+            pieces = _strided_pieces(module.graph, node)
+            cat = module.graph.call_function(torch.ops.aten.cat.default,
+                                             (pieces, _scatter_dim(node)))
+        cat.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(cat)
+        module.graph.erase_node(node)
+        count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def _step(node: fx.Node) -> int:
+    return node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
+
+
+def _scatter_dim(node: fx.Node) -> int:
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return dim % node.meta["val"].dim()
+
+
+def _strided_pieces(graph: fx.Graph, node: fx.Node) -> list:
+    base, src = node.args[0], node.args[1]
+    dim, size = _scatter_dim(node), node.meta["val"].shape[_scatter_dim(node)]
+    start = node.args[3] if len(node.args) > 3 and node.args[3] is not None else 0
+    end = node.args[4] if len(node.args) > 4 and node.args[4] is not None else size
+    written = {p: i for i, p in enumerate(range(*slice(start, end, _step(node)).indices(size)))}
+    pieces = []
+    for position in range(size):
+        source, at = (src, written[position]) if position in written else (base, position)
+        piece = graph.call_function(torch.ops.aten.slice.Tensor, (source, dim, at, at + 1, 1))
+        piece.meta["val"] = source.meta["val"].narrow(dim, at, 1)
+        pieces.append(piece)
+    return pieces
+
+
+def _sdpa_mask(node: fx.Node):
+    if node.target is not torch.ops.aten.scaled_dot_product_attention.default:
+        return None
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    return mask if isinstance(mask, fx.Node) else None
 
 
 def _is_guard(node: fx.Node) -> bool:
