@@ -88,9 +88,7 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
     target = Target.parse(tract_version, dynamic=bool(dynamic_axes))
     module = prog.traceable_module(program)
     prog.refuse_bfloat16(module)
-    prog.float_attention_masks(module)
-    prog.unit_step_slice_scatters(module)
-    prog.respell(module)
+    prog.apply_fixes(module)
     if dynamic_axes:
         _refuse_unrolled(program)
     decisions = plan(module, target, choose)  # logs every decision and rejection

@@ -2,7 +2,8 @@
 form in plain NNEF (algebra in gdn_chunked_text.py).
 
 - "chunked": the chunk recurrence is a ``tract_core_scan`` over chunks (``reset_every_turn =
-  1``); the sequence is padded to whole chunks at run time, so any S is served, symbolic too.
+  1``), ``SCAN_CHUNKS_PER_STEP`` chunks of ``SCAN_CHUNK`` per iteration; the sequence is padded
+  to whole iterations at run time, so any S is served, symbolic too.
 - "chunked_unrolled": the chunks are written out; static S only, at most
   ``MAX_UNROLLED_CHUNKS`` chunks (graph size and load time grow with the count).
 
@@ -15,7 +16,9 @@ f64; f16 models keep an f32 state), when the node l2-normalizes q and k itself. 
   of A up to A^(C/4)) loses f32 precision when it exceeds 1 (measured 4e-4 relative error with
   raw random keys, against ~3e-7 normalized).
 "matmul" serves both. The scan form uses chunks
-of ``CHUNK``; the unrolled form shrinks the chunk to the next power of two >= S for short S.
+of ``SCAN_CHUNK``; the unrolled form uses ``CHUNK``, shrunk to the next power of two >= S for
+short S. (Sizes from bench/bench_gdn_fast.py runs: 2 x 32 per iteration beat 1 x 64 and 2 x 64
+in the loop; 64 beat 32 unrolled.)
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
 CHUNK = 64
+SCAN_CHUNK = 32
+SCAN_CHUNKS_PER_STEP = 2
 MAX_UNROLLED_CHUNKS = 32
+LEAF = 32  # diagonal blocks of this width are inverted by the product form
 
 
 def _shared_reason(facts: ScanFacts) -> Optional[str]:
@@ -68,22 +74,23 @@ def chunk_size(seq: int) -> int:
     return size
 
 
-def constants(chunk: int) -> dict[str, np.ndarray]:
+def constants(chunk: int, leaf: int) -> dict[str, np.ndarray]:
     """The masks and helpers the text reads, at the rank of the tensors they meet."""
     upper = np.triu(np.ones((chunk, chunk)))
-    half = chunk // 2
+    width = min(chunk, leaf)
+    rank = text.leaf_rank(chunk, leaf)
     return {"cum": upper.reshape(1, 1, 1, chunk, chunk),  # row @ cum = running sums
             "neg": np.where(np.triu(np.ones((chunk, chunk)), 1) > 0, -np.inf,
                             0.0).reshape(1, 1, chunk, chunk),
             "strict": np.tril(np.ones((chunk, chunk)), -1).reshape(1, 1, chunk, chunk),
-            "eyeh": np.eye(half).reshape(1, 1, 1, half, half),
+            "eyeh": np.eye(width).reshape((1,) * (rank - 2) + (width, width)),
             "zero4": np.zeros((1, 1, 1, 1)),
             "zero3": np.zeros((1, 1, 1))}
 
 
 def emit(ctx: EmitContext) -> list:
     """Write the scan over chunks for one node; returns the fragments it needs."""
-    return _emit(ctx, CHUNK, unrolled_chunks=0)
+    return _emit(ctx, SCAN_CHUNK, unrolled_chunks=0)
 
 
 def emit_unrolled(ctx: EmitContext) -> list:
@@ -96,11 +103,12 @@ def _emit(ctx: EmitContext, chunk: int, unrolled_chunks: int) -> list:
     facts = ctx.facts
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work)
-    consts = [common.variable(ctx, name, constants(chunk)[name], work)
-              for name in text.CONSTANTS]
+    values = constants(chunk, LEAF)
+    consts = [common.variable(ctx, name, values[name], work) for name in text.CONSTANTS]
     name, frag = common.fragment(
         "gdn_fx_chunked",
-        lambda suffix: text.definitions(facts, chunk, unrolled_chunks, suffix))
+        lambda suffix: text.definitions(facts, chunk, unrolled_chunks, suffix,
+                                        SCAN_CHUNKS_PER_STEP, LEAF))
     out = ctx.tensor("out", facts.shapes["v"], work)
     final = ctx.tensor("final_state", facts.shapes["initial_state"], work)
     ctx.apply_multi(name, operands + consts, (out, final))

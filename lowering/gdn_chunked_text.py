@@ -44,28 +44,48 @@ def inverse_lines(source: str, result: str, size: int, eye: str, tag: str) -> li
     return lines + [f"{result} = copy({tag}t{i});"]
 
 
-def block_inverse_lines(chunk: int) -> list[str]:
-    """``tt = (I + a)^-1`` by 2x2 blocks of width C/2 (see the module docstring)."""
-    h = chunk // 2
-    return [f"a11 = slice(a, axes = [2, 3], begin = [0, 0], end = [{h}, {h}]);",
-            f"a22 = slice(a, axes = [2, 3], begin = [{h}, {h}], end = [{chunk}, {chunk}]);",
-            f"a21 = slice(a, axes = [2, 3], begin = [{h}, 0], end = [{chunk}, {h}]);",
-            "ad = concat([unsqueeze(a11, axes = [2]), unsqueeze(a22, axes = [2])], axis = 2);",
-            *inverse_lines("ad", "td", h, "eyeh", "inv"),
-            "t11 = squeeze(slice(td, axes = [2], begin = [0], end = [1]), axes = [2]);",
-            "t22 = squeeze(slice(td, axes = [2], begin = [1], end = [2]), axes = [2]);",
-            "x21 = neg(matmul(t22, matmul(a21, t11)));",
-            f"tt = concat([pad(t11, padding = [(0, 0), (0, 0), (0, 0), (0, {h})]),"
-            " concat([x21, t22], axis = 3)], axis = 2);"]
+def block_inverse_lines(source: str, result: str, size: int, rank: int, leaf: int,
+                        tag: str = "b") -> list[str]:
+    """``result = (I + source)^-1`` over the last two axes of a rank-``rank`` tensor, by 2x2
+    blocks: the two diagonal blocks are inverted together (stacked on a new axis, recursively
+    down to width ``leaf``, where the product form takes over), the off-diagonal block is
+    -T22 A21 T11. The leaf identity is the constant ``eyeh`` of rank ``rank`` + levels."""
+    if size <= leaf:
+        return inverse_lines(source, result, size, "eyeh", f"{tag}i")
+    h, rows, cols = size // 2, rank - 2, rank - 1
+    pad = ", ".join(["(0, 0)"] * (rank - 1) + [f"(0, {h})"])
+    return [f"{tag}11 = slice({source}, axes = [{rows}, {cols}], begin = [0, 0], end = [{h}, {h}]);",
+            f"{tag}22 = slice({source}, axes = [{rows}, {cols}], begin = [{h}, {h}],"
+            f" end = [{size}, {size}]);",
+            f"{tag}21 = slice({source}, axes = [{rows}, {cols}], begin = [{h}, 0],"
+            f" end = [{size}, {h}]);",
+            f"{tag}d = concat([unsqueeze({tag}11, axes = [{rows}]),"
+            f" unsqueeze({tag}22, axes = [{rows}])], axis = {rows});",
+            *block_inverse_lines(f"{tag}d", f"{tag}td", h, rank + 1, leaf, tag + "b"),
+            f"{tag}t11 = squeeze(slice({tag}td, axes = [{rows}], begin = [0], end = [1]),"
+            f" axes = [{rows}]);",
+            f"{tag}t22 = squeeze(slice({tag}td, axes = [{rows}], begin = [1], end = [2]),"
+            f" axes = [{rows}]);",
+            f"{tag}x21 = neg(matmul({tag}t22, matmul({tag}21, {tag}t11)));",
+            f"{result} = concat([pad({tag}t11, padding = [{pad}]),"
+            f" concat([{tag}x21, {tag}t22], axis = {cols})], axis = {rows});"]
 
 
-def chunk_lines(chunk: int) -> list[str]:
+def leaf_rank(chunk: int, leaf: int) -> int:
+    """Rank of the leaf blocks (and of the ``eyeh`` constant): 4 plus one per halving."""
+    rank = 4
+    while chunk > leaf:
+        chunk, rank = chunk // 2, rank + 1
+    return rank
+
+
+def chunk_lines(chunk: int, leaf: int) -> list[str]:
     """One chunk from the state entering it (see the module docstring)."""
     return ["e = exp(add(sub(gc, gr), neg));",
             "kkt = matmul(k, kt, transposeB = true);",
             "qkt = matmul(q, kt, transposeB = true);",
             "a = mul(mul(kkt, mul(e, strict)), bc);",
-            *block_inverse_lines(chunk),
+            *block_inverse_lines("a", "tt", chunk, 4, leaf),
             "tb = mul(tt, br);",
             "u = matmul(tb, v);",
             "w = matmul(mul(tb, egr), k);",
@@ -135,16 +155,33 @@ def finish_lines(facts: ScanFacts) -> list[str]:
             " axis_count = 2);"]
 
 
-def scan_loop_lines(suffix: str) -> list[str]:
-    """The chunk recurrence as a tract_core_scan over the chunk axis (axis 0)."""
-    scans = ", ".join(f'("{name}_c", {src}, 0, 1)'
+def scan_loop_lines(per_step: int, suffix: str) -> list[str]:
+    """The chunk recurrence as a tract_core_scan over the chunk axis (axis 0), ``per_step``
+    chunks per iteration."""
+    scans = ", ".join(f'("{name}_c", {src}, 0, {per_step})'
                       for name, src in zip(CHUNK_INPUTS, CHUNK_SOURCES))
     fulls = ", ".join(f'("{name}", {name})' for name in ("neg", "strict", "eyeh"))
     return [f'(fin, oo) = tract_core_scan(body = "gdn_fx_chunked_scan_step{suffix}",',
             f"    scan = [{scans}],",
             f'    full = [{fulls}], state = [("state", st0, "new_state")],',
-            '    output = [("new_state", "last", 0, 1), ("o_c", "full", 0, 1)],',
+            f'    output = [("new_state", "last", 0, 1), ("o_c", "full", 0, {per_step})],',
             "    skip = 0, reset_every_turn = 1);"]
+
+
+def scan_step_lines(per_step: int, suffix: str) -> list[str]:
+    """The loop body: ``per_step`` chunks one after the other. Their outputs leave the body
+    through a concat along the scanned axis, which tract 0.23.9 does not pull out of the loop
+    (with one chunk it pulls q S out and materializes the state of every chunk: slower)."""
+    lines, state = [], "state"
+    for i in range(per_step):
+        args = ", ".join(f"squeeze(slice({name}_c, axes = [0], begin = [{i}], end = [{i + 1}]),"
+                         " axes = [0])" for name in CHUNK_INPUTS)
+        after = "new_state" if i == per_step - 1 else f"mid{i}"
+        lines.append(f"({after}, o{i}) = gdn_fx_chunked_chunk{suffix}({state}, {args},"
+                     " neg, strict, eyeh);")
+        state = after
+    outs = ", ".join(f"unsqueeze(o{i}, axes = [0])" for i in range(per_step))
+    return lines + [f"o_c = concat([{outs}], axis = 0);"]
 
 
 def unrolled_loop_lines(chunks: int, suffix: str) -> list[str]:
@@ -160,26 +197,26 @@ def unrolled_loop_lines(chunks: int, suffix: str) -> list[str]:
     return lines + [f"oo = concat([{', '.join(outs)}], axis = 0);", f"fin = copy({state});"]
 
 
-def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str) -> str:
+def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
+                per_step: int = 2, leaf: int = 32) -> str:
     """Every fragment of one node configuration; ``unrolled_chunks`` 0 means the scan form
-    with a run-time pad, else that many chunks written out (static S)."""
+    (``per_step`` chunks per iteration) with a run-time pad, else that many chunks written out
+    (static S)."""
     body_params = ["state", *CHUNK_INPUTS, "neg", "strict", "eyeh"]
     parts = [common.l2norm_fragment(suffix),
              common.fragment_text(f"gdn_fx_chunked_chunk{suffix}", body_params,
-                                  ["new_state", "o"], chunk_lines(chunk))]
+                                  ["new_state", "o"], chunk_lines(chunk, leaf))]
     if unrolled_chunks:
         pad = str(unrolled_chunks * chunk - facts.seq)
         loop = unrolled_loop_lines(unrolled_chunks, suffix)
     else:
-        pad = f"(n + {chunk - 1}) / {chunk} * {chunk} - n"
-        loop = scan_loop_lines(suffix)
-        args = ", ".join(f"squeeze({name}_c, axes = [0])" for name in CHUNK_INPUTS)
+        whole = chunk * per_step
+        pad = f"(n + {whole - 1}) / {whole} * {whole} - n"
+        loop = scan_loop_lines(per_step, suffix)
         parts.append(common.fragment_text(
             f"gdn_fx_chunked_scan_step{suffix}",
             ["state", *(f"{n}_c" for n in CHUNK_INPUTS), "neg", "strict", "eyeh"],
-            ["new_state", "o_c"],
-            [f"(new_state, o) = gdn_fx_chunked_chunk{suffix}(state, {args}, neg, strict, eyeh);",
-             "o_c = unsqueeze(o, axes = [0]);"]))
+            ["new_state", "o_c"], scan_step_lines(per_step, suffix)))
     main = prepare_lines(facts, chunk, pad, suffix) + loop + finish_lines(facts)
     parts.append(common.fragment_text(f"gdn_fx_chunked{suffix}",
                                       ["q", "k", "v", "g", "beta", "s0", *CONSTANTS],

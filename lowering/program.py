@@ -86,6 +86,43 @@ def respell(module: fx.GraphModule) -> int:
     return count
 
 
+def sorted_topk(module: fx.GraphModule) -> int:
+    """Ask every topk for sorted results: torch-to-nnef exports only sorted topk.
+
+    ``sorted=False`` leaves the order unspecified, so sorted order is one valid answer
+    (MoE routers, e.g. Kimi-Linear's, ask for unsorted top-k and then sum over the picks).
+    """
+    count = 0
+    for node in module.graph.nodes:
+        if node.target is torch.ops.aten.topk.default:
+            args = list(node.args) + [None] * (6 - len(node.args))
+            if args[4] is False or node.kwargs.get("sorted") is False:
+                node.args = tuple(node.args[:4]) + (True,) if len(node.args) > 4 else node.args
+                node.kwargs = {**node.kwargs, "sorted": True} if "sorted" in node.kwargs \
+                    else node.kwargs
+                count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def typed_scatter_values(module: fx.GraphModule) -> int:
+    """Give scatter's scalar value the tensor's dtype (``mask.scatter_(1, idx, 1)`` on floats).
+
+    torch-to-nnef writes the scalar as an integer constant and tract's scatter_elements then
+    refuses mismatched types; torch casts the value to the tensor's dtype anyway.
+    """
+    count = 0
+    for node in module.graph.nodes:
+        if node.target is torch.ops.aten.scatter.value and isinstance(node.args[3], int):
+            if node.args[0].meta["val"].dtype.is_floating_point:
+                node.args = (*node.args[:3], float(node.args[3]))
+                count += 1
+    if count:
+        module.recompile()
+    return count
+
+
 def unit_step_slice_scatters(module: fx.GraphModule) -> int:
     """Spell each slice_scatter with a step > 1 as a cat of unit-step slices.
 
@@ -192,3 +229,14 @@ def refuse_bfloat16(module: fx.GraphModule) -> None:
                 raise DTypeError(f"node '{node.name}' produces a bfloat16 tensor "
                                  f"{list(val.shape)}; torch-to-nnef and tract have no bfloat16: "
                                  "cast the model to float16 or float32 before export")
+
+
+# Each rewrites what torch-to-nnef or tract 0.23.9 can not take into what means the same.
+FIXES = (float_attention_masks, unit_step_slice_scatters, respell, sorted_topk,
+         typed_scatter_values)
+
+
+def apply_fixes(module: fx.GraphModule) -> dict:
+    """Run every fix in FIXES; return how many nodes each one changed (non-zero only)."""
+    counts = {fix.__name__: fix(module) for fix in FIXES}
+    return {name: n for name, n in counts.items() if n}
