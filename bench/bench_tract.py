@@ -5,8 +5,8 @@ Two workloads, each at several lengths S:
 - core: one Qwen3.5-sized GDN layer core (B=1, 16 heads, Dk=Dv=128), transformers' recurrent
   rule with ``use_qk_l2norm_in_kernel=True`` and an initial state, f32;
 - model: a whole tiny qwen3_5 causal LM step (gdn_fx.hf.tiny_model + DecodeStep with the
-  recurrent rule, so a prefill unrolls and collapses), f32, eager attention (tract 0.23.9
-  refuses the boolean mask that SDPA attention exports: "Mask must be floating point").
+  recurrent rule, so a prefill unrolls and collapses), f32, the model's default (SDPA)
+  attention.
 
 For every path: ``tract.nnef().with_tract_transformers().load(path)`` time, ``into_runnable()``
 time and ``run([...])`` time; torch eager runs the recurrent and the chunk rule with one
@@ -105,8 +105,7 @@ def model_case(seq: int, unrolled_max: int) -> Case:
     from gdn_fx.hf import DecodeStep, tiny_model
 
     def step(dtype, rule):
-        return DecodeStep(tiny_model(MODEL_FAMILY, dtype=dtype, attn_implementation="eager"),
-                          rule=rule)
+        return DecodeStep(tiny_model(MODEL_FAMILY, dtype=dtype), rule=rule)
 
     recurrent, auto = step(torch.float32, "recurrent"), step(torch.float32, "auto")
     inputs = recurrent.example_inputs(seq_len=seq)
@@ -264,8 +263,10 @@ DESCRIPTION = {
              "Dk=Dv=128, l2norm in kernel, initial state), f32; oracle: the recurrence in "
              "float64 (gdn_fx.reference)"),
     "model": (model_case, f"a whole tiny {MODEL_FAMILY} step (gdn_fx.hf DecodeStep, recurrent "
-              "rule, eager attention, 3 GDN layers + 1 attention layer), f32; oracle: the same "
-              "model in float64 (transformers still runs its delta rule in f32 inside)"),
+              "rule, SDPA attention, 3 GDN layers + 1 attention layer, Dk=Dv=16), f32; the "
+              "candidate is forced on the gated_delta_scan nodes, conv updates take the table's "
+              "default; oracle: the same model in float64 (transformers still runs its delta "
+              "rule in f32 inside)"),
 }
 
 

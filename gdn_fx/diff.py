@@ -1,7 +1,7 @@
 """Structural diff of two FX graphs, through networkx.
 
 Each node gets a structural key: its op, target and literal arguments, plus the keys of its
-inputs (placeholders keyed by position). Nodes whose key appears in both graphs are unchanged,
+inputs (inputs keyed by their names: a parameter's path, an argument's name). Nodes whose key appears in both graphs are unchanged,
 whatever their names. Of the rest, a node present by name in both graphs with the same local
 signature is "rewired" (it reads rewritten inputs); with another signature it is "changed";
 the remaining ones are "removed" or "added".
@@ -66,14 +66,10 @@ def to_networkx(program: Any) -> nx.DiGraph:
 
 def structural_keys(graph: nx.DiGraph) -> dict:
     """Name -> key that depends only on structure (not on node names)."""
-    keys, placeholders = {}, 0
+    keys = {}
     for name in nx.topological_sort(graph):
         data = graph.nodes[name]
-        if data["op"] == "placeholder":
-            own = f"placeholder#{placeholders}"
-            placeholders += 1
-        else:
-            own = data["signature"]
+        own = f"input:{data['target']}" if data["op"] == "placeholder" else data["signature"]
         inputs = sorted(graph.in_edges(name, data="position"), key=lambda e: e[2])
         text = own + "|" + ",".join(keys[src] for src, _, _ in inputs)
         keys[name] = hashlib.sha1(text.encode()).hexdigest()[:16]

@@ -36,8 +36,8 @@ from gdn_fx.lowering.target import Target
 CHUNK = 64
 SCAN_CHUNK = 32
 SCAN_CHUNKS_PER_STEP = 2
-MAX_UNROLLED_CHUNKS = 32
-LEAF = 32  # diagonal blocks of this width are inverted by the product form
+MAX_UNROLLED_CHUNKS = 16  # tract load time grows super-linearly: 8 chunks ~2 s, 16 ~15 s, 32 ~60 s
+LEAF = 16  # diagonal blocks of this width are inverted by the product form
 
 
 def _shared_reason(facts: ScanFacts) -> Optional[str]:
@@ -84,6 +84,7 @@ def constants(chunk: int, leaf: int) -> dict[str, np.ndarray]:
                             0.0).reshape(1, 1, chunk, chunk),
             "strict": np.tril(np.ones((chunk, chunk)), -1).reshape(1, 1, chunk, chunk),
             "eyeh": np.eye(width).reshape((1,) * (rank - 2) + (width, width)),
+            "eyec": np.eye(chunk).reshape(1, 1, chunk, chunk),
             "zero4": np.zeros((1, 1, 1, 1)),
             "zero3": np.zeros((1, 1, 1))}
 
@@ -104,7 +105,8 @@ def _emit(ctx: EmitContext, chunk: int, unrolled_chunks: int) -> list:
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work)
     values = constants(chunk, LEAF)
-    consts = [common.variable(ctx, name, values[name], work) for name in text.CONSTANTS]
+    consts = [common.variable(ctx, name, values[name], work) for name in text.CONSTANTS[:-1]]
+    consts.append(common.scale_variable(ctx, work))
     name, frag = common.fragment(
         "gdn_fx_chunked",
         lambda suffix: text.definitions(facts, chunk, unrolled_chunks, suffix,

@@ -27,9 +27,10 @@ from __future__ import annotations
 from gdn_fx.lowering import gdn_fast_common as common
 from gdn_fx.lowering.facts import ScanFacts
 
-CHUNK_INPUTS = ("q", "k", "kt", "v", "gc", "gr", "bc", "br", "egc", "egr", "r", "ac")
-CHUNK_SOURCES = ("qq", "kk", "kt", "vv", "gc", "gr", "bc", "br", "egc", "egr", "r", "ac")
-CONSTANTS = ("cum", "neg", "strict", "eyeh", "zero4", "zero3")
+CHUNK_INPUTS = ("q", "rq", "k", "kt", "v", "gc", "gr", "bc", "br", "egc", "egr", "r", "ac")
+CHUNK_SOURCES = ("qq", "rqq", "kk", "kt", "vv", "gc", "gr", "bc", "br", "egc", "egr", "r", "ac")
+BODY_CONSTANTS = ("neg", "strict", "eyeh", "eyec")
+CONSTANTS = ("cum", *BODY_CONSTANTS, "zero4", "zero3", "scale")
 
 
 def inverse_lines(source: str, result: str, size: int, eye: str, tag: str) -> list[str]:
@@ -80,18 +81,24 @@ def leaf_rank(chunk: int, leaf: int) -> int:
 
 
 def chunk_lines(chunk: int, leaf: int) -> list[str]:
-    """One chunk from the state entering it (see the module docstring)."""
-    return ["e = exp(add(sub(gc, gr), neg));",
-            "kkt = matmul(k, kt, transposeB = true);",
-            "qkt = matmul(q, kt, transposeB = true);",
-            "a = mul(mul(kkt, mul(e, strict)), bc);",
+    """One chunk from the state entering it (see the module docstring). q and k arrive RAW:
+    their l2norm is folded into row/column scalings of small tensors. rq = scale / |q| comes
+    with q; rk = 1 / |k| is read off the diagonal of k k^T, which the chunk computes anyway."""
+    return ["kkt = matmul(k, kt, transposeB = true);",
+            f"rk = rsqrt(add(sum_reduce(mul(kkt, eyec), axes = [3]), "
+            f"{common.literal(common.L2NORM_EPS)}));",
+            "rkr = transpose(rk, axes = [0, 1, 3, 2]);",
+            "e = exp(add(sub(gc, gr), neg));",
+            "qkt = mul(matmul(q, kt, transposeB = true), mul(rq, rkr));",
+            "a = mul(mul(kkt, mul(e, strict)), mul(bc, mul(rk, rkr)));",
             *block_inverse_lines("a", "tt", chunk, 4, leaf),
             "tb = mul(tt, br);",
             "u = matmul(tb, v);",
-            "w = matmul(mul(tb, egr), k);",
+            "w = matmul(mul(tb, mul(egr, rkr)), k);",
             "d = sub(u, matmul(w, state));",
-            "o = add(mul(egc, matmul(q, state)), matmul(mul(qkt, e), d));",
-            "new_state = add(mul(state, ac), matmul(kt, mul(r, d), transposeA = true));"]
+            "o = add(mul(mul(egc, rq), matmul(q, state)), matmul(mul(qkt, e), d));",
+            "new_state = add(mul(state, ac),"
+            " matmul(kt, mul(mul(r, rk), d), transposeA = true));"]
 
 
 def _heads_first(name: str, source: str, rank_tail: int, facts: ScanFacts) -> str:
@@ -119,14 +126,18 @@ def _padded(name: str, source: str, pad: str, tail: str, zero: str, chunk: int) 
 def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str) -> list[str]:
     """Prologue: normalize/scale, pad, chunk and lay out every operand; the gate terms."""
     hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
-    lines = common.dims_lines() + common.prologue_lines(facts, suffix)
-    for name, source, tail, zero in (("qp", "qs", f", {hk}, {dk}", "zero4"),
-                                     ("kp", "kn", f", {hk}, {dk}", "zero4"),
+    lines = common.dims_lines() + [
+        f"rqs = mul(rsqrt(add(sum_reduce(mul(q, q), axes = [3]), "
+        f"{common.literal(common.L2NORM_EPS)})), scale);"]
+    for name, source, tail, zero in (("qp", "q", f", {hk}, {dk}", "zero4"),
+                                     ("rqp", "rqs", f", {hk}, 1", "zero4"),
+                                     ("kp", "k", f", {hk}, {dk}", "zero4"),
                                      ("vp", "v", f", {hv}, {dv}", "zero4"),
                                      ("gp", "g", f", {hv}", "zero3"),
                                      ("bp", "beta", f", {hv}", "zero3")):
         lines += _padded(name, source, pad, tail, zero, chunk)
-    lines += [_heads_first("qq", "qp", 1, facts), _heads_first("kk", "kp", 1, facts),
+    lines += [_heads_first("qq", "qp", 1, facts), _heads_first("rqq", "rqp", 1, facts),
+              _heads_first("kk", "kp", 1, facts),
               "kt = copy(kk);",  # a second scan source: tract must not see k k^T as one
               _heads_first("vv", "vp", 2, facts), _heads_first("gg", "gp", 3, facts),
               _heads_first("bb", "bp", 3, facts)]
@@ -160,7 +171,7 @@ def scan_loop_lines(per_step: int, suffix: str) -> list[str]:
     chunks per iteration."""
     scans = ", ".join(f'("{name}_c", {src}, 0, {per_step})'
                       for name, src in zip(CHUNK_INPUTS, CHUNK_SOURCES))
-    fulls = ", ".join(f'("{name}", {name})' for name in ("neg", "strict", "eyeh"))
+    fulls = ", ".join(f'("{name}", {name})' for name in BODY_CONSTANTS)
     return [f'(fin, oo) = tract_core_scan(body = "gdn_fx_chunked_scan_step{suffix}",',
             f"    scan = [{scans}],",
             f'    full = [{fulls}], state = [("state", st0, "new_state")],',
@@ -178,7 +189,7 @@ def scan_step_lines(per_step: int, suffix: str) -> list[str]:
                          " axes = [0])" for name in CHUNK_INPUTS)
         after = "new_state" if i == per_step - 1 else f"mid{i}"
         lines.append(f"({after}, o{i}) = gdn_fx_chunked_chunk{suffix}({state}, {args},"
-                     " neg, strict, eyeh);")
+                     f" {', '.join(BODY_CONSTANTS)});")
         state = after
     outs = ", ".join(f"unsqueeze(o{i}, axes = [0])" for i in range(per_step))
     return lines + [f"o_c = concat([{outs}], axis = 0);"]
@@ -191,7 +202,7 @@ def unrolled_loop_lines(chunks: int, suffix: str) -> list[str]:
         args = ", ".join(f"squeeze(slice({src}, axes = [0], begin = [{c}], end = [{c + 1}]),"
                          " axes = [0])" for src in CHUNK_SOURCES)
         lines.append(f"(st{c + 1}, oc{c}) = gdn_fx_chunked_chunk{suffix}({state}, {args},"
-                     " neg, strict, eyeh);")
+                     f" {', '.join(BODY_CONSTANTS)});")
         state = f"st{c + 1}"
         outs.append(f"unsqueeze(oc{c}, axes = [0])")
     return lines + [f"oo = concat([{', '.join(outs)}], axis = 0);", f"fin = copy({state});"]
@@ -202,9 +213,8 @@ def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
     """Every fragment of one node configuration; ``unrolled_chunks`` 0 means the scan form
     (``per_step`` chunks per iteration) with a run-time pad, else that many chunks written out
     (static S)."""
-    body_params = ["state", *CHUNK_INPUTS, "neg", "strict", "eyeh"]
-    parts = [common.l2norm_fragment(suffix),
-             common.fragment_text(f"gdn_fx_chunked_chunk{suffix}", body_params,
+    body_params = ["state", *CHUNK_INPUTS, *BODY_CONSTANTS]
+    parts = [common.fragment_text(f"gdn_fx_chunked_chunk{suffix}", body_params,
                                   ["new_state", "o"], chunk_lines(chunk, leaf))]
     if unrolled_chunks:
         pad = str(unrolled_chunks * chunk - facts.seq)
@@ -215,7 +225,7 @@ def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
         loop = scan_loop_lines(per_step, suffix)
         parts.append(common.fragment_text(
             f"gdn_fx_chunked_scan_step{suffix}",
-            ["state", *(f"{n}_c" for n in CHUNK_INPUTS), "neg", "strict", "eyeh"],
+            ["state", *(f"{n}_c" for n in CHUNK_INPUTS), *BODY_CONSTANTS],
             ["new_state", "o_c"], scan_step_lines(per_step, suffix)))
     main = prepare_lines(facts, chunk, pad, suffix) + loop + finish_lines(facts)
     parts.append(common.fragment_text(f"gdn_fx_chunked{suffix}",

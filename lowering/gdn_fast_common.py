@@ -78,11 +78,18 @@ def l2norm_fragment(suffix: str) -> str:
 
 
 def prologue_lines(facts: ScanFacts, suffix: str) -> list[str]:
-    """NNEF lines turning raw q, k into ``qs`` (normalized when asked, scaled) and ``kn``."""
+    """NNEF lines turning raw q, k into ``qs`` (normalized when asked, times the ``scale``
+    tensor) and ``kn``."""
     norm = f"gdn_fx_fast_l2norm{suffix}"
     q = f"{norm}(q)" if facts.qk_l2norm else "q"
     k = f"{norm}(k)" if facts.qk_l2norm else "copy(k)"
-    return [f"qs = mul({q}, {literal(facts.scale)});", f"kn = {k};"]
+    return [f"qs = mul({q}, scale);", f"kn = {k};"]
+
+
+def scale_variable(ctx: EmitContext, work: str) -> NTensor:
+    """The q scale as a [1, 1, 1, 1] constant: a scalar literal in NNEF text is read as f32 by
+    tract, which would round the scale of an f64 graph."""
+    return variable(ctx, "scale", np.full((1, 1, 1, 1), ctx.facts.scale), work)
 
 
 def dims_lines() -> list[str]:

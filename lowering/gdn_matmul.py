@@ -124,7 +124,7 @@ def fragment_definitions(facts: ScanFacts, single: bool, suffix: str) -> str:
     main = _prologue(facts, suffix) + _loop_lines(suffix, single) + [
         "out = squeeze(y5, axes = [3]);"]
     top = common.fragment_text(f"gdn_fx_matmul{suffix}",
-                               ["q", "k", "v", "g", "beta", "s0", "mk0", "mk1"],
+                               ["q", "k", "v", "g", "beta", "s0", "mk0", "mk1", "scale"],
                                ["out", "final"], main)
     parts = [common.l2norm_fragment(suffix), step] + ([] if single else [scan_step]) + [top]
     return "\n".join(parts)
@@ -150,6 +150,6 @@ def _emit(ctx: EmitContext, single: bool) -> list:
         "gdn_fx_matmul", lambda suffix: fragment_definitions(facts, single, suffix))
     out = ctx.tensor("out", facts.shapes["v"], work)
     final = ctx.tensor("final_state", facts.shapes["initial_state"], work)
-    ctx.apply_multi(name, operands + masks, (out, final))
+    ctx.apply_multi(name, operands + masks + [common.scale_variable(ctx, work)], (out, final))
     common.finish_outputs(ctx, out, final)
     return [frag]

@@ -106,19 +106,178 @@ def sorted_topk(module: fx.GraphModule) -> int:
     return count
 
 
-def typed_scatter_values(module: fx.GraphModule) -> int:
-    """Give scatter's scalar value the tensor's dtype (``mask.scatter_(1, idx, 1)`` on floats).
+def scatter_values_as_tensors(module: fx.GraphModule) -> int:
+    """Spell ``scatter(x, dim, index, value)`` (a scalar value) as a scatter of a tensor
+    ``full_like(index, value)`` in x's dtype (``mask.scatter_(1, idx, 1)``).
 
-    torch-to-nnef writes the scalar as an integer constant and tract's scatter_elements then
-    refuses mismatched types; torch casts the value to the tensor's dtype anyway.
+    torch-to-nnef hands the scalar straight to tract's scatter_elements as its updates; tract
+    0.23.9 indexes the updates by the index's coordinates and PANICS (aborting the process) on
+    a rank-0 updates tensor. torch casts the value to x's dtype anyway.
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        if node.target is not torch.ops.aten.scatter.value:
+            continue
+        base, dim, index, value = node.args[:4]
+        dtype = base.meta["val"].dtype
+        with module.graph.inserting_before(node):
+            # full_like(index, value, dtype=...) would be re-run by torch-to-nnef without its
+            # dtype: cast the index first, so the filled tensor inherits the dtype.
+            typed = module.graph.call_function(torch.ops.aten._to_copy.default, (index,),
+                                               {"dtype": dtype})
+            src = module.graph.call_function(torch.ops.aten.full_like.default, (typed, value))
+        typed.meta["val"] = torch.empty_like(index.meta["val"], dtype=dtype)
+        src.meta["val"] = typed.meta["val"]
+        node.target, node.args = torch.ops.aten.scatter.src, (base, dim, index, src)
+        count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+# Factories whose dtype= torch-to-nnef's tracer drops when it evaluates them (it keeps only the
+# size, or the like-tensor), mapped to the dtype it then produces.
+_SIZED = {torch.ops.aten.ones.default, torch.ops.aten.zeros.default, torch.ops.aten.full.default}
+_LIKE = {torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default}
+_EXACT_IN_F32 = 2 ** 24  # integers up to here survive a float32 round trip
+
+
+def _traced_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype torch-to-nnef's tracer gives a factory node (it ignores ``dtype=``)."""
+    if node.target in _LIKE:
+        return node.args[0].meta["val"].dtype
+    return torch.float32  # ones/zeros default, and full once its fill is made a float
+
+
+def _fill_is_exact(node: fx.Node) -> bool:
+    if node.target is not torch.ops.aten.full.default:
+        return True
+    value = node.args[1]
+    return isinstance(value, (bool, float)) or abs(value) <= _EXACT_IN_F32
+
+
+def typed_factories(module: fx.GraphModule) -> int:
+    """Build constants of an explicit dtype (``torch.ones(..., dtype=torch.bool)``,
+    ``torch.zeros(..., dtype=torch.int32)``) in the dtype torch-to-nnef's tracer assumes,
+    then convert them.
+
+    torch-to-nnef evaluates factories at trace time WITHOUT their ``dtype=`` argument, so the
+    traced value has another dtype than the graph says and the next op fails (glm5_next's
+    default attention mask: ``running aten.bitwise_not(args=(tensor([[[1.]]]),))``, its
+    indexer's int32 ``scatter_add`` base); ``aten::full`` with a bool fill does not even trace.
+    The conversion (``ne(x, 0)`` for bool, a cast otherwise) gives the same tensor.
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        dtype = node.kwargs.get("dtype") if node.op == "call_function" else None
+        if node.target not in _SIZED | _LIKE or dtype is None or not _fill_is_exact(node):
+            continue
+        if dtype == _traced_dtype(node):
+            continue
+        _retype_factory(module.graph, node, dtype)
+        count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def _retype_factory(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> None:
+    """Make ``node`` produce its traced dtype, and convert its users' view back to ``dtype``."""
+    kwargs = dict(node.kwargs)
+    if node.target in _LIKE:
+        del kwargs["dtype"]
+    else:
+        kwargs["dtype"] = torch.float32
+    if node.target is torch.ops.aten.full.default:
+        node.args = (node.args[0], float(node.args[1]), *node.args[2:])
+    node.kwargs = kwargs
+    with graph.inserting_after(node):
+        if dtype == torch.bool:
+            converted = graph.call_function(torch.ops.aten.ne.Scalar, (node, 0))
+        else:
+            converted = graph.call_function(torch.ops.aten._to_copy.default, (node,),
+                                            {"dtype": dtype})
+    converted.meta["val"] = node.meta["val"]
+    node.meta["val"] = torch.empty_like(node.meta["val"], dtype=_traced_dtype(node))
+    node.replace_all_uses_with(converted, delete_user_cb=lambda user: user is not converted)
+
+
+# Ops with a dim operand (position 1) that torch-to-nnef passes to tract as is.
+_DIM_OPS = {torch.ops.aten.scatter.src, torch.ops.aten.scatter.value,
+            torch.ops.aten.scatter_add.default, torch.ops.aten.scatter_reduce.two,
+            torch.ops.aten.gather.default}
+
+
+def positive_scatter_dims(module: fx.GraphModule) -> int:
+    """Write scatter/gather dims as non-negative axes.
+
+    tract 0.23.9's scatter_elements takes ``axis = -1`` as an index (usize wrap-around) and
+    PANICS, aborting the process (glm5_next's indexer: ``scatter_add(zeros, -1, ...)``).
     """
     count = 0
     for node in module.graph.nodes:
-        if node.target is torch.ops.aten.scatter.value and isinstance(node.args[3], int):
-            if node.args[0].meta["val"].dtype.is_floating_point:
-                node.args = (*node.args[:3], float(node.args[3]))
-                count += 1
+        if node.target in _DIM_OPS and isinstance(node.args[1], int) and node.args[1] < 0:
+            rank = node.args[0].meta["val"].dim()
+            node.args = (node.args[0], node.args[1] % rank, *node.args[2:])
+            count += 1
     if count:
+        module.recompile()
+    return count
+
+
+def positive_select_indices(module: fx.GraphModule) -> int:
+    """Write ``select(x, dim, -i)`` over a static axis as ``select(x, dim, size - i)``.
+
+    torch-to-nnef writes select as a slice ending at ``index + 1``: for index -1 that is
+    ``end = 0``, which tract reads as an empty range (not "to the end"); glm5_next's indexer
+    reads ``keys[..., -1]``.
+    """
+    count = 0
+    for node in module.graph.nodes:
+        if node.target is not torch.ops.aten.select.int or node.args[2] >= 0:
+            continue
+        size = static_dim(node.args[0].meta["val"].shape[node.args[1]])
+        if size is not None:
+            node.args = (node.args[0], node.args[1], node.args[2] % size)
+            count += 1
+    if count:
+        module.recompile()
+    return count
+
+
+def _is_static_empty(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(val, torch.Tensor):
+        return False
+    # Keep every input read: torch.jit.trace drops unread inputs, and the NNEF would then
+    # take fewer inputs than the program.
+    if any(a.op == "placeholder" and len(a.users) == 1 for a in node.all_input_nodes):
+        return False
+    shape = [static_dim(d) for d in val.shape]
+    return None not in shape and 0 in shape
+
+
+def empty_tensors_as_constants(module: fx.GraphModule) -> int:
+    """Make every computed tensor with a zero-size axis (static shape) a ``zeros`` constant.
+
+    An empty tensor is defined by its shape and dtype alone. torch-to-nnef writes the reshape
+    to such a shape literally (``reshape(x, shape = [1, 1, 1, 0])``) and NNEF reads a 0 in a
+    reshape as "copy this input axis": tract 0.23.9 then panics (aborting the process) or
+    copies the wrong axis. glm5_next's MLA attention caches zero-width values.
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        if not _is_static_empty(node):
+            continue
+        val = node.meta["val"]
+        with module.graph.inserting_before(node):
+            empty = module.graph.call_function(torch.ops.aten.zeros.default, (list(val.shape),),
+                                               {"dtype": val.dtype})
+        empty.meta["val"] = val
+        node.replace_all_uses_with(empty)
+        count += 1
+    if count:
+        module.graph.eliminate_dead_code()
         module.recompile()
     return count
 
@@ -232,8 +391,8 @@ def refuse_bfloat16(module: fx.GraphModule) -> None:
 
 
 # Each rewrites what torch-to-nnef or tract 0.23.9 can not take into what means the same.
-FIXES = (float_attention_masks, unit_step_slice_scatters, respell, sorted_topk,
-         typed_scatter_values)
+FIXES = (empty_tensors_as_constants, typed_factories, positive_select_indices, positive_scatter_dims, float_attention_masks, unit_step_slice_scatters, respell, sorted_topk,
+         scatter_values_as_tensors)
 
 
 def apply_fixes(module: fx.GraphModule) -> dict:

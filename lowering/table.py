@@ -3,8 +3,15 @@
 A candidate is a name, a pure check ``(facts, target) -> reason | None`` and an emitter
 ``(EmitContext) -> fragments`` (the torch-to-nnef fragment keys / objects the NNEF needs).
 The first candidate whose check passes wins; every rejection is logged (logger
-``gdn_fx.lowering``) and kept in the returned ``Decision``. Native comes first for now; the
-benchmark issue decides the final order by measurement.
+``gdn_fx.lowering``) and kept in the returned ``Decision``.
+
+gated_delta_scan, by shape class (bench/bench_gdn_fast.py, tract 0.23.9, B=1, 16 heads, 128):
+- decode, S = 1 static: "matmul_step" (one matmul step; ~0.3x the native operator's time);
+- static S >= 2 (GDN gate, q/k l2norm in the node): "chunked_unrolled" (chunks written out,
+  chunk shrunk for short S; up to 16 chunks), then "chunked" (a loop over chunks; also every
+  symbolic S);
+- KDA gates, qk_l2norm=False, anything else: "matmul" (a loop of matmul steps);
+- "native" and "scan" stay as fallbacks (and can be forced with ``choose``).
 """
 
 from __future__ import annotations
@@ -35,13 +42,13 @@ class Candidate:
 
 
 TABLE: dict[str, tuple[Candidate, ...]] = {
-    "gated_delta_scan": (
-        Candidate("native", gdn_native.check, gdn_native.emit),
-        Candidate("scan", gdn_scan.check, gdn_scan.emit),
+    "gated_delta_scan": (  # order measured with bench/bench_gdn_fast.py (see below)
         Candidate("matmul_step", gdn_matmul.check_step, gdn_matmul.emit_step),
-        Candidate("matmul", gdn_matmul.check, gdn_matmul.emit),
         Candidate("chunked_unrolled", gdn_chunked.check_unrolled, gdn_chunked.emit_unrolled),
         Candidate("chunked", gdn_chunked.check, gdn_chunked.emit),
+        Candidate("matmul", gdn_matmul.check, gdn_matmul.emit),
+        Candidate("native", gdn_native.check, gdn_native.emit),
+        Candidate("scan", gdn_scan.check, gdn_scan.emit),
     ),
     "causal_conv1d_update": (
         Candidate("native", conv_native.check, conv_native.emit),

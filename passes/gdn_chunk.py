@@ -40,7 +40,7 @@ def collapse_chunked(graph: fx.Graph) -> tuple[fx.Graph, int, list[Miss]]:
         if not shapes:
             continue
         try:
-            region, ops = _find(graph, shapes, order)
+            region, ops = _find(graph, shapes, order, cumsum)
         except NoMatch as err:
             misses.append(Miss(NAME, f"chunked form: {err.reason}", node=err.node))
             continue
@@ -91,15 +91,18 @@ def _padded_widths(graph: fx.Graph, b: int, h: int, length: int) -> set:
     return widths
 
 
-def _find(graph: fx.Graph, shapes: list[ChunkShape], order: dict):
-    """The first shape whose template matches; NoMatch with the best reason otherwise."""
+def _find(graph: fx.Graph, shapes: list[ChunkShape], order: dict, cumsum: fx.Node):
+    """The region around ``cumsum`` for the first shape whose template matches there;
+    NoMatch with the most advanced failure otherwise."""
     targets = {n.target for n in graph.nodes if n.op == "call_function"}
     best = None
     for chunk_shape in shapes:
         template = _template_for(chunk_shape, targets)
-        for anchor in _anchors(graph, template, chunk_shape):
+        for anchor in _anchors(graph, template, chunk_shape, cumsum):
             try:
-                return _region(template, anchor, chunk_shape, order)
+                region, ops = _region(template, anchor, chunk_shape, order)
+                if cumsum in region.nodes:  # another layer's region has the same shapes
+                    return region, ops
             except NoMatch as err:
                 progress = len(getattr(err, "partial", Match(template)).nodes)
                 if best is None or progress > best[0]:
@@ -116,10 +119,14 @@ def _template_for(chunk_shape: ChunkShape, targets: set):
     return template
 
 
-def _anchors(graph: fx.Graph, template, chunk_shape: ChunkShape) -> list[fx.Node]:
+def _anchors(graph: fx.Graph, template, chunk_shape: ChunkShape, cumsum: fx.Node) -> list:
+    """Nodes shaped like the template's output, the nearest after ``cumsum`` first."""
     target = template.outputs["out"].target
     want = (chunk_shape.batch, chunk_shape.heads, chunk_shape.length, chunk_shape.dv)
-    return [n for n in graph.nodes if n.target is target and shape(n) == want]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    found = [n for n in graph.nodes if n.target is target and shape(n) == want
+             and order[n] > order[cumsum]]
+    return sorted(found, key=order.__getitem__)
 
 
 def _region(template, anchor: fx.Node, chunk_shape: ChunkShape, order: dict):

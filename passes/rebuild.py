@@ -58,6 +58,9 @@ def _left_behind(graph: fx.Graph, fusions: list[Fusion]) -> set:
     """Dropped and replaced nodes, and the pure nodes only they (or metadata asserts) read."""
     gone, needed = set(), set()
     for fusion in fusions:
+        overlap = gone & (fusion.drop | set(fusion.replace))
+        if overlap:  # two rules (or one rule twice) claimed the same region: a bug
+            raise AssertionError(f"fusions overlap at {sorted(n.name for n in overlap)[:5]}")
         gone |= fusion.drop | set(fusion.replace)
         needed |= fusion.inputs
     for node in reversed(graph.nodes):

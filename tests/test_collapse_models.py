@@ -1,0 +1,60 @@
+"""Whole transformers hybrids, exported as they stand: every linear-attention layer collapses.
+
+Decode steps (recurrent rule, conv update) in the IR forms a user can hand over, and prefill
+steps (the chunked rule and the padded prefill conv) at one and several chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gdn_fx
+from gdn_fx import tract_check
+from gdn_fx.hf import DecodeStep, tiny_model
+from programs import assert_close_outputs, count_calls, run
+
+DECODE = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lara_mini", "kimi_linear",
+          "glm5_next", "bailing_hybrid", "lfm2", "bamba"]
+
+
+def collapsed(family, seq_len, form="training", rule="auto"):
+    step = DecodeStep(tiny_model(family), rule=rule)
+    args = step.example_inputs(seq_len=seq_len)
+    program = torch.export.export(step, args, strict=False)
+    if form == "core":
+        program = program.run_decompositions()
+    result = gdn_fx.collapse(program)
+    assert result.counts == step.expected_fusions, result.explain()
+    assert result.misses == [], result.explain()
+    assert gdn_fx.find_unrolled(result.program) == []
+    assert_close_outputs(run(result.program, args), run(program, args), rtol=1e-5)
+    return step, args, program, result
+
+
+@pytest.mark.parametrize("family", DECODE)
+def test_decode_steps_collapse(family):
+    collapsed(family, 1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_decode_steps_collapse_in_core_aten(family):
+    collapsed(family, 1, form="core")
+
+
+@pytest.mark.parametrize("family,seq_len", [("qwen3_5", 8), ("qwen3_5", 70), ("qwen3_5", 130),
+                                            ("qwen3_next", 8), ("qwen3_next", 70),
+                                            ("olmo_hybrid", 8), ("olmo_hybrid", 70),
+                                            ("kimi_linear", 8)])
+def test_prefill_steps_collapse(family, seq_len):
+    step, _, program, result = collapsed(family, seq_len)
+    before, after = count_calls(program), count_calls(result.program)
+    assert before - after > 700 * step.expected_fusions["gated_delta_scan"], (before, after)
+
+
+def test_chunked_prefill_runs_in_tract(tmp_path):
+    step, args, _, result = collapsed("qwen3_5", 70)
+    path = gdn_fx.export_nnef(result.program, tmp_path / "prefill.nnef.tgz",
+                              input_names=step.input_names, output_names=step.output_names)
+    found = tract_check.compare(path, step.eager(*args), args)
+    assert found.ok, str(found)
