@@ -1,10 +1,10 @@
-"""Structural diff of two FX graphs, through networkx.
+"""Structural diff of two FX graphs (or NNEF exports), through networkx.
 
 Each node gets a structural key: its op, target and literal arguments, plus the keys of its
-inputs (inputs keyed by their names: a parameter's path, an argument's name). Nodes whose key appears in both graphs are unchanged,
-whatever their names. Of the rest, a node present by name in both graphs with the same local
-signature is "rewired" (it reads rewritten inputs); with another signature it is "changed";
-the remaining ones are "removed" or "added".
+inputs (graph inputs are keyed by name: a parameter's path, an argument's name). Nodes whose
+key appears in both graphs are unchanged, whatever their names. Of the rest, a node present by
+name in both graphs with the same local signature is "rewired" (it reads rewritten inputs);
+with another signature it is "changed"; the remaining ones are "removed" or "added".
 """
 
 from __future__ import annotations
@@ -152,25 +152,24 @@ _NAME = re.compile(r"[A-Za-z_]\w*")
 def nnef_graph(path: Union[str, Path]) -> nx.DiGraph:
     """An NNEF export (folder, .tar or .tgz) as a DiGraph, comparable with :func:`graph_diff`.
 
-    One node per assignment in ``graph.nnef``; its target is the NNEF op; attributes given as
-    ``name = value`` make the signature; tensor arguments make the edges.
+    One node per assignment in ``graph.nnef`` (named after its results); its target is the NNEF
+    op; attributes given as ``name = value`` make the signature; tensor arguments the edges.
     """
-    text = read_graph_text(path)
-    graph, order = nx.DiGraph(), 0
-    for line in text.splitlines():
+    graph, produced_by = nx.DiGraph(), {}
+    for line in read_graph_text(path).splitlines():
         found = _ASSIGN.match(line)
         if not found:
             continue
         outputs = [o.strip() for o in found.group(1).split(",")]
         op, args = found.group(2), found.group(3)
-        inputs = [n for n in _NAME.findall(_strip_attributes(args)) if n in graph]
-        kind = "placeholder" if op == "external" else "call_function"
-        for out in outputs:
-            graph.add_node(out, op=kind, target=op, order=order,
-                           signature=f"{op}({_attributes(args)})")
-            order += 1
-            for position, source in enumerate(inputs):
-                graph.add_edge(source, out, position=position)
+        name = ",".join(outputs)  # one node per assignment, even with several results
+        graph.add_node(name, op="placeholder" if op == "external" else "call_function",
+                       target=op, order=len(graph), signature=f"{op}({_attributes(args)})")
+        inputs = [produced_by[n] for n in _NAME.findall(_strip_attributes(args))
+                  if n in produced_by]
+        for position, source in enumerate(inputs):
+            graph.add_edge(source, name, position=position)
+        produced_by.update({out: name for out in outputs})
     return graph
 
 

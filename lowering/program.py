@@ -245,29 +245,46 @@ def positive_select_indices(module: fx.GraphModule) -> int:
     return count
 
 
+# Ops torch-to-nnef writes as an NNEF reshape (expand is tile + reshape).
+_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+             torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default}
+
+
 def _is_static_empty(node: fx.Node) -> bool:
     val = node.meta.get("val")
-    if node.op != "call_function" or not isinstance(val, torch.Tensor):
-        return False
-    # Keep every input read: torch.jit.trace drops unread inputs, and the NNEF would then
-    # take fewer inputs than the program.
-    if any(a.op == "placeholder" and len(a.users) == 1 for a in node.all_input_nodes):
+    if node.target not in _RESHAPES or not isinstance(val, torch.Tensor):
         return False
     shape = [static_dim(d) for d in val.shape]
     return None not in shape and 0 in shape
 
 
-def empty_tensors_as_constants(module: fx.GraphModule) -> int:
-    """Make every computed tensor with a zero-size axis (static shape) a ``zeros`` constant.
+def _orphans_an_input(node: fx.Node) -> bool:
+    """Whether removing ``node`` (and what only it reads) leaves a program input unread:
+    torch.jit.trace drops unread inputs, and the NNEF would take fewer inputs than the
+    program."""
+    dead, todo = {node}, [node]
+    while todo:
+        for source in todo.pop().all_input_nodes:
+            if source in dead or not all(user in dead for user in source.users):
+                continue
+            if source.op == "placeholder":
+                return True
+            dead.add(source)
+            todo.append(source)
+    return False
+
+
+def empty_reshapes_as_constants(module: fx.GraphModule) -> int:
+    """Replace each reshape to a static shape with a zero-size axis by a ``zeros`` constant.
 
     An empty tensor is defined by its shape and dtype alone. torch-to-nnef writes the reshape
-    to such a shape literally (``reshape(x, shape = [1, 1, 1, 0])``) and NNEF reads a 0 in a
-    reshape as "copy this input axis": tract 0.23.9 then panics (aborting the process) or
-    copies the wrong axis. glm5_next's MLA attention caches zero-width values.
+    literally (``reshape(x, shape = [1, 1, 1, 0])``) and NNEF reads a 0 in a reshape shape as
+    "copy this input axis": tract 0.23.9 then panics (aborting the process) or copies the
+    wrong axis. glm5_next's MLA attention caches zero-width values.
     """
     count = 0
     for node in list(module.graph.nodes):
-        if not _is_static_empty(node):
+        if not _is_static_empty(node) or _orphans_an_input(node):
             continue
         val = node.meta["val"]
         with module.graph.inserting_before(node):
@@ -391,7 +408,7 @@ def refuse_bfloat16(module: fx.GraphModule) -> None:
 
 
 # Each rewrites what torch-to-nnef or tract 0.23.9 can not take into what means the same.
-FIXES = (empty_tensors_as_constants, typed_factories, positive_select_indices, positive_scatter_dims, float_attention_masks, unit_step_slice_scatters, respell, sorted_topk,
+FIXES = (empty_reshapes_as_constants, typed_factories, positive_select_indices, positive_scatter_dims, float_attention_masks, unit_step_slice_scatters, respell, sorted_topk,
          scatter_values_as_tensors)
 
 

@@ -142,7 +142,8 @@ def _where_write(unsq: fx.Node, buf: fx.Node, axis: int, t: int, length: int) ->
         raise NoMatch("the step output is not scattered into the buffer", node=unsq, step=t)
     expand = _only_user(unsq, t)
     where = _only_user(expand, t) if expand.target is ATEN.expand.default else expand
-    if where.target is not ATEN.where.self or where.args[1] is not expand or where.args[2] is not buf:
+    if (where.target is not ATEN.where.self or where.args[1] is not expand
+            or where.args[2] is not buf):
         raise NoMatch("the step output is not merged with where", node=where, step=t)
     if _where_position(where.args[0], axis, len(shape(buf))) != (t, length):
         raise NoMatch(f"the where mask does not select position {t} of {length}", node=where,

@@ -158,7 +158,8 @@ def test_state_trap_is_real_for_chunked(tmp_path):
     graph = written / "graph.nnef"
     graph.write_text(graph.read_text().replace("reset_every_turn = 1", "reset_every_turn = 0"))
     second = _two_runs(written, runs)[1]
-    assert tract_check.relative_error(second[1], oracle(module, runs[1])[1]) > 1e-2
+    errors = [tract_check.relative_error(g, w) for g, w in zip(second, oracle(module, runs[1]))]
+    assert max(errors) > 1e-2, errors
 
 
 def test_two_nodes_share_fragments(tmp_path):
