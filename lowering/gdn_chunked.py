@@ -79,12 +79,13 @@ def constants(chunk: int, leaf: int) -> dict[str, np.ndarray]:
     upper = np.triu(np.ones((chunk, chunk)))
     width = min(chunk, leaf)
     rank = text.leaf_rank(chunk, leaf)
-    return {"cum": upper.reshape(1, 1, 1, chunk, chunk),  # row @ cum = running sums
+    square = (1, 1, 1, chunk, chunk)
+    return {"cum": upper.reshape(square),  # row @ cum = running sums
             "neg": np.where(np.triu(np.ones((chunk, chunk)), 1) > 0, -np.inf,
-                            0.0).reshape(1, 1, chunk, chunk),
-            "strict": np.tril(np.ones((chunk, chunk)), -1).reshape(1, 1, chunk, chunk),
+                            0.0).reshape(square),
+            "strict": np.tril(np.ones((chunk, chunk)), -1).reshape(square),
             "eyeh": np.eye(width).reshape((1,) * (rank - 2) + (width, width)),
-            "eyec": np.eye(chunk).reshape(1, 1, chunk, chunk),
+            "eyec": np.eye(chunk).reshape(square),
             "zero4": np.zeros((1, 1, 1, 1)),
             "zero3": np.zeros((1, 1, 1))}
 

@@ -10,9 +10,15 @@ the chunk is, from the state S entering it:
     delta = U - W S                     o = e^gamma_row * (q S) + (q k^T * E) delta
     S' = e^gamma_C S + k^T (e^(gamma_C - gamma) * delta)
 
-T is built by 2x2 blocks: the two diagonal blocks (C/2 wide) are inverted together by the
-product above (log2(C/2) factors), the off-diagonal one is -T22 A21 T11. Everything is exact
-algebra: no triangular solve (NNEF has none), no approximation.
+T is built by 2x2 blocks: the two diagonal blocks (C/2 wide) are inverted together (again by
+blocks, down to a leaf width where the product above takes over), the off-diagonal one is
+-T22 A21 T11. Everything is exact algebra: no triangular solve (NNEF has none), no
+approximation. q and k arrive raw: their l2norm is folded into row and column scalings of
+small tensors (1/|k| is read off the diagonal of k k^T).
+
+Everything that does not depend on the state (U, W, q k^T * E, the scalings) is computed for
+all chunks at once, as batched matmuls over a leading chunk axis; only the recurrence
+(delta, o, S') runs chunk after chunk: a tract_core_scan, or written out for a static S.
 
 Layouts: M = B * Hk merges batch and key heads; G is the GQA factor. Keys and queries are
 [.., M, 1, C, Dk] and meet the G value heads of their key head by broadcasting (never
@@ -27,10 +33,10 @@ from __future__ import annotations
 from gdn_fx.lowering import gdn_fast_common as common
 from gdn_fx.lowering.facts import ScanFacts
 
-CHUNK_INPUTS = ("q", "rq", "k", "kt", "v", "gc", "gr", "bc", "br", "egc", "egr", "r", "ac")
-CHUNK_SOURCES = ("qq", "rqq", "kk", "kt", "vv", "gc", "gr", "bc", "br", "egc", "egr", "r", "ac")
-BODY_CONSTANTS = ("neg", "strict", "eyeh", "eyec")
-CONSTANTS = ("cum", *BODY_CONSTANTS, "zero4", "zero3", "scale")
+LOOP_INPUTS = ("w", "u", "q", "k", "qkm", "egq", "rr", "ac")
+LOOP_SOURCES = ("ww", "uu", "qq", "kk", "qkm", "egq", "rr", "ac")
+CONSTANTS = ("cum", "neg", "strict", "eyeh", "eyec", "zero4", "zero3", "scale")
+RANK = 5  # [n chunks, B*Hk, G, rows, columns]
 
 
 def inverse_lines(source: str, result: str, size: int, eye: str, tag: str) -> list[str]:
@@ -73,32 +79,36 @@ def block_inverse_lines(source: str, result: str, size: int, rank: int, leaf: in
 
 
 def leaf_rank(chunk: int, leaf: int) -> int:
-    """Rank of the leaf blocks (and of the ``eyeh`` constant): 4 plus one per halving."""
-    rank = 4
+    """Rank of the leaf blocks (and of the ``eyeh`` constant): RANK plus one per halving."""
+    rank = RANK
     while chunk > leaf:
         chunk, rank = chunk // 2, rank + 1
     return rank
 
 
-def chunk_lines(chunk: int, leaf: int) -> list[str]:
-    """One chunk from the state entering it (see the module docstring). q and k arrive RAW:
-    their l2norm is folded into row/column scalings of small tensors. rq = scale / |q| comes
-    with q; rk = 1 / |k| is read off the diagonal of k k^T, which the chunk computes anyway."""
-    return ["kkt = matmul(k, kt, transposeB = true);",
-            f"rk = rsqrt(add(sum_reduce(mul(kkt, eyec), axes = [3]), "
-            f"{common.literal(common.L2NORM_EPS)}));",
-            "rkr = transpose(rk, axes = [0, 1, 3, 2]);",
+def intra_lines(chunk: int, leaf: int) -> list[str]:
+    """Every chunk's state-free terms at once (see the module docstring), rank-5 tensors."""
+    eps = common.literal(common.L2NORM_EPS)
+    return ["kkt = matmul(kk, kk, transposeB = true);",
+            f"rk = rsqrt(add(sum_reduce(mul(kkt, eyec), axes = [4]), {eps}));",
+            "rkr = transpose(rk, axes = [0, 1, 2, 4, 3]);",
             "e = exp(add(sub(gc, gr), neg));",
-            "qkt = mul(matmul(q, kt, transposeB = true), mul(rq, rkr));",
+            "qkt = mul(matmul(qq, kk, transposeB = true), mul(rqq, rkr));",
             "a = mul(mul(kkt, mul(e, strict)), mul(bc, mul(rk, rkr)));",
-            *block_inverse_lines("a", "tt", chunk, 4, leaf),
+            *block_inverse_lines("a", "tt", chunk, RANK, leaf),
             "tb = mul(tt, br);",
-            "u = matmul(tb, v);",
-            "w = matmul(mul(tb, mul(egr, rkr)), k);",
-            "d = sub(u, matmul(w, state));",
-            "o = add(mul(mul(egc, rq), matmul(q, state)), matmul(mul(qkt, e), d));",
-            "new_state = add(mul(state, ac),"
-            " matmul(kt, mul(mul(r, rk), d), transposeA = true));"]
+            "uu = matmul(tb, vv);",
+            "ww = matmul(mul(tb, mul(egr, rkr)), kk);",
+            "qkm = mul(qkt, e);",
+            "egq = mul(egc, rqq);",
+            "rr = mul(r, rk);"]
+
+
+def step_lines() -> list[str]:
+    """One chunk of the recurrence, from the state entering it."""
+    return ["d = sub(u, matmul(w, state));",
+            "o = add(mul(egq, matmul(q, state)), matmul(qkm, d));",
+            "new_state = add(mul(state, ac), matmul(k, mul(rr, d), transposeA = true));"]
 
 
 def _heads_first(name: str, source: str, rank_tail: int, facts: ScanFacts) -> str:
@@ -138,7 +148,6 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str) -> list[s
         lines += _padded(name, source, pad, tail, zero, chunk)
     lines += [_heads_first("qq", "qp", 1, facts), _heads_first("rqq", "rqp", 1, facts),
               _heads_first("kk", "kp", 1, facts),
-              "kt = copy(kk);",  # a second scan source: tract must not see k k^T as one
               _heads_first("vv", "vp", 2, facts), _heads_first("gg", "gp", 3, facts),
               _heads_first("bb", "bp", 3, facts)]
     return lines + [
@@ -167,16 +176,20 @@ def finish_lines(facts: ScanFacts) -> list[str]:
 
 
 def scan_loop_lines(per_step: int, suffix: str) -> list[str]:
-    """The chunk recurrence as a tract_core_scan over the chunk axis (axis 0), ``per_step``
-    chunks per iteration."""
+    """The recurrence as a tract_core_scan over the chunk axis (axis 0), ``per_step`` chunks
+    per iteration."""
     scans = ", ".join(f'("{name}_c", {src}, 0, {per_step})'
-                      for name, src in zip(CHUNK_INPUTS, CHUNK_SOURCES))
-    fulls = ", ".join(f'("{name}", {name})' for name in BODY_CONSTANTS)
+                      for name, src in zip(LOOP_INPUTS, LOOP_SOURCES))
     return [f'(fin, oo) = tract_core_scan(body = "gdn_fx_chunked_scan_step{suffix}",',
             f"    scan = [{scans}],",
-            f'    full = [{fulls}], state = [("state", st0, "new_state")],',
+            '    full = [], state = [("state", st0, "new_state")],',
             f'    output = [("new_state", "last", 0, 1), ("o_c", "full", 0, {per_step})],',
             "    skip = 0, reset_every_turn = 1);"]
+
+
+def _slice_args(names, first: int) -> str:
+    return ", ".join(f"squeeze(slice({name}, axes = [0], begin = [{first}], end = [{first + 1}]),"
+                     " axes = [0])" for name in names)
 
 
 def scan_step_lines(per_step: int, suffix: str) -> list[str]:
@@ -185,37 +198,32 @@ def scan_step_lines(per_step: int, suffix: str) -> list[str]:
     (with one chunk it pulls q S out and materializes the state of every chunk: slower)."""
     lines, state = [], "state"
     for i in range(per_step):
-        args = ", ".join(f"squeeze(slice({name}_c, axes = [0], begin = [{i}], end = [{i + 1}]),"
-                         " axes = [0])" for name in CHUNK_INPUTS)
         after = "new_state" if i == per_step - 1 else f"mid{i}"
-        lines.append(f"({after}, o{i}) = gdn_fx_chunked_chunk{suffix}({state}, {args},"
-                     f" {', '.join(BODY_CONSTANTS)});")
+        args = _slice_args([f"{name}_c" for name in LOOP_INPUTS], i)
+        lines.append(f"({after}, o{i}) = gdn_fx_chunked_step{suffix}({state}, {args});")
         state = after
     outs = ", ".join(f"unsqueeze(o{i}, axes = [0])" for i in range(per_step))
     return lines + [f"o_c = concat([{outs}], axis = 0);"]
 
 
 def unrolled_loop_lines(chunks: int, suffix: str) -> list[str]:
-    """The chunk recurrence written out for a static number of chunks."""
+    """The recurrence written out for a static number of chunks."""
     lines, state, outs = [], "st0", []
     for c in range(chunks):
-        args = ", ".join(f"squeeze(slice({src}, axes = [0], begin = [{c}], end = [{c + 1}]),"
-                         " axes = [0])" for src in CHUNK_SOURCES)
-        lines.append(f"(st{c + 1}, oc{c}) = gdn_fx_chunked_chunk{suffix}({state}, {args},"
-                     f" {', '.join(BODY_CONSTANTS)});")
+        lines.append(f"(st{c + 1}, oc{c}) = gdn_fx_chunked_step{suffix}({state},"
+                     f" {_slice_args(LOOP_SOURCES, c)});")
         state = f"st{c + 1}"
         outs.append(f"unsqueeze(oc{c}, axes = [0])")
     return lines + [f"oo = concat([{', '.join(outs)}], axis = 0);", f"fin = copy({state});"]
 
 
 def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
-                per_step: int = 2, leaf: int = 32) -> str:
+                per_step: int = 2, leaf: int = 16) -> str:
     """Every fragment of one node configuration; ``unrolled_chunks`` 0 means the scan form
     (``per_step`` chunks per iteration) with a run-time pad, else that many chunks written out
     (static S)."""
-    body_params = ["state", *CHUNK_INPUTS, *BODY_CONSTANTS]
-    parts = [common.fragment_text(f"gdn_fx_chunked_chunk{suffix}", body_params,
-                                  ["new_state", "o"], chunk_lines(chunk, leaf))]
+    parts = [common.fragment_text(f"gdn_fx_chunked_step{suffix}", ["state", *LOOP_INPUTS],
+                                  ["new_state", "o"], step_lines())]
     if unrolled_chunks:
         pad = str(unrolled_chunks * chunk - facts.seq)
         loop = unrolled_loop_lines(unrolled_chunks, suffix)
@@ -224,10 +232,10 @@ def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
         pad = f"(n + {whole - 1}) / {whole} * {whole} - n"
         loop = scan_loop_lines(per_step, suffix)
         parts.append(common.fragment_text(
-            f"gdn_fx_chunked_scan_step{suffix}",
-            ["state", *(f"{n}_c" for n in CHUNK_INPUTS), *BODY_CONSTANTS],
+            f"gdn_fx_chunked_scan_step{suffix}", ["state", *(f"{n}_c" for n in LOOP_INPUTS)],
             ["new_state", "o_c"], scan_step_lines(per_step, suffix)))
-    main = prepare_lines(facts, chunk, pad, suffix) + loop + finish_lines(facts)
+    main = (prepare_lines(facts, chunk, pad, suffix) + intra_lines(chunk, leaf) + loop
+            + finish_lines(facts))
     parts.append(common.fragment_text(f"gdn_fx_chunked{suffix}",
                                       ["q", "k", "v", "g", "beta", "s0", *CONSTANTS],
                                       ["out", "final"], main))

@@ -1,0 +1,385 @@
+"""Graph fixes applied before torch-to-nnef traces a program (``apply_fixes``).
+
+Each fix rewrites, in the plain GraphModule export_nnef traces, something torch-to-nnef
+0.24.12 or tract 0.23.9 can not take (or takes silently wrong, or panics on: a tract panic
+aborts the whole Python process) into something that means the same. Each returns how many
+nodes it changed. A refusal raises instead, when no rewrite can keep the meaning.
+
+Fixes run on every export (not only transformers models); each one is a no-op on a graph
+without the construct it fixes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from gdn_fx.errors import ExportRefused
+from gdn_fx.lowering.facts import static_dim
+
+aten = torch.ops.aten
+Fix = Callable[[fx.GraphModule], int]
+
+
+def _recompiles(fix: Fix) -> Fix:
+    """Recompile the module after a fix that changed something."""
+
+    @functools.wraps(fix)
+    def run(module: fx.GraphModule) -> int:
+        count = fix(module)
+        if count:
+            module.graph.lint()
+            module.recompile()
+        return count
+
+    return run
+
+
+def _val(node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+# --- reshapes and indices ----------------------------------------------------------------
+
+# Ops torch-to-nnef writes as an NNEF reshape (expand is tile + reshape).
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+             aten.expand.default}
+
+
+def _is_static_empty_reshape(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if node.target not in _RESHAPES or not isinstance(val, torch.Tensor):
+        return False
+    shape = [static_dim(d) for d in val.shape]
+    return None not in shape and 0 in shape
+
+
+def _orphans_an_input(node: fx.Node) -> bool:
+    """Whether removing ``node`` (and what only it reads) leaves a program input unread:
+    torch.jit.trace drops unread inputs, and the NNEF would take fewer inputs than the
+    program."""
+    dead, todo = {node}, [node]
+    while todo:
+        for source in todo.pop().all_input_nodes:
+            if source in dead or not all(user in dead for user in source.users):
+                continue
+            if source.op == "placeholder":
+                return True
+            dead.add(source)
+            todo.append(source)
+    return False
+
+
+@_recompiles
+def empty_reshapes_as_constants(module: fx.GraphModule) -> int:
+    """Replace each reshape to a static shape with a zero-size axis by a ``zeros`` constant.
+
+    An empty tensor is defined by its shape and dtype alone. torch-to-nnef writes the reshape
+    literally (``reshape(x, shape = [1, 1, 1, 0])``) and NNEF reads a 0 in a reshape shape as
+    "copy this input axis": tract 0.23.9 then panics or copies the wrong axis. glm5_next's MLA
+    attention caches zero-width values.
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        if not _is_static_empty_reshape(node) or _orphans_an_input(node):
+            continue
+        with module.graph.inserting_before(node):
+            empty = module.graph.call_function(aten.zeros.default, (list(_val(node).shape),),
+                                               {"dtype": _val(node).dtype})
+        empty.meta["val"] = _val(node)
+        node.replace_all_uses_with(empty)
+        count += 1
+    if count:
+        module.graph.eliminate_dead_code()
+    return count
+
+
+@_recompiles
+def positive_select_indices(module: fx.GraphModule) -> int:
+    """Write ``select(x, dim, -i)`` over a static axis as ``select(x, dim, size - i)``.
+
+    torch-to-nnef writes select as a slice ending at ``index + 1``: for index -1 that is
+    ``end = 0``, which tract reads as an empty range, not "to the end" (glm5_next's indexer
+    reads ``keys[..., -1]``).
+    """
+    count = 0
+    for node in module.graph.nodes:
+        if node.target is not aten.select.int or node.args[2] >= 0:
+            continue
+        size = static_dim(_val(node.args[0]).shape[node.args[1]])
+        if size is not None:
+            node.args = (node.args[0], node.args[1], node.args[2] % size)
+            count += 1
+    return count
+
+
+# Ops whose dim operand (position 1) torch-to-nnef passes to tract as it is.
+_DIM_OPS = {aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
+            aten.scatter_reduce.two, aten.gather.default}
+
+
+@_recompiles
+def positive_scatter_dims(module: fx.GraphModule) -> int:
+    """Write scatter/gather dims as non-negative axes.
+
+    tract 0.23.9's scatter_elements takes ``axis = -1`` as an index (usize wrap-around) and
+    panics (glm5_next's indexer: ``scatter_add(zeros, -1, ...)``).
+    """
+    count = 0
+    for node in module.graph.nodes:
+        if node.target in _DIM_OPS and isinstance(node.args[1], int) and node.args[1] < 0:
+            node.args = (node.args[0], node.args[1] % _val(node.args[0]).dim(), *node.args[2:])
+            count += 1
+    return count
+
+
+def refuse_boolean_mask_indexing(module: fx.GraphModule) -> int:
+    """Refuse ``x[..., mask]`` (aten.index with a boolean index among several).
+
+    Its output length depends on the mask's values; torch-to-nnef writes it as a gather
+    reading the booleans as positions, which loads and runs silently wrong (glm5_next's
+    sparse-attention indexer: ``pool_keys[:, keep]``). torch-to-nnef itself refuses the
+    single-index form ``x[mask]``.
+    """
+    for node in module.graph.nodes:
+        if node.target is not aten.index.Tensor or len(node.args[1]) < 2:
+            continue
+        for index in node.args[1]:
+            if index is not None and _val(index).dtype == torch.bool:
+                raise ExportRefused(
+                    f"node '{node.name}' indexes {list(_val(node.args[0]).shape)} with the "
+                    f"boolean mask '{index.name}' {list(_val(index).shape)}: its output "
+                    "length depends on the mask's values, which NNEF can not express "
+                    "(torch-to-nnef would write a gather reading the booleans as positions, "
+                    "silently wrong)")
+    return 0
+
+
+# --- dtypes ------------------------------------------------------------------------------
+
+# Factories whose ``dtype=`` torch-to-nnef's tracer drops when it evaluates them: it keeps
+# only the size (ones/zeros: float32; full: the fill's type) or the like-tensor (its dtype).
+# (torch.ones / torch.zeros: their spelling when the size is symbolic, see traced_sizes.py.)
+_SIZED = {aten.ones.default, aten.zeros.default, aten.full.default, torch.ones, torch.zeros}
+_LIKE = {aten.ones_like.default, aten.zeros_like.default}
+_EXACT_IN_F32 = 2 ** 24  # integers up to here survive a float32 round trip
+
+
+def _traced_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype a factory has in torch-to-nnef's trace once its fill is a float."""
+    return _val(node.args[0]).dtype if node.target in _LIKE else torch.float32
+
+
+def _fill_is_exact(node: fx.Node) -> bool:
+    if node.target is not aten.full.default:
+        return True
+    value = node.args[1]
+    return isinstance(value, (bool, float)) or abs(value) <= _EXACT_IN_F32
+
+
+def _retype_factory(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> None:
+    """Make ``node`` build its traced dtype, and convert it to ``dtype`` for its users."""
+    kwargs = dict(node.kwargs)
+    if node.target in _LIKE:
+        del kwargs["dtype"]
+    else:
+        kwargs["dtype"] = torch.float32
+    if node.target is aten.full.default:
+        node.args = (node.args[0], float(node.args[1]), *node.args[2:])
+    node.kwargs = kwargs
+    with graph.inserting_after(node):
+        if dtype == torch.bool:
+            converted = graph.call_function(aten.ne.Scalar, (node, 0))
+        else:
+            converted = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+    converted.meta["val"] = _val(node)
+    node.meta["val"] = torch.empty_like(_val(node), dtype=_traced_dtype(node))
+    node.replace_all_uses_with(converted, delete_user_cb=lambda user: user is not converted)
+
+
+@_recompiles
+def typed_factories(module: fx.GraphModule) -> int:
+    """Build constants of an explicit dtype (``torch.ones(..., dtype=torch.bool)``,
+    ``torch.zeros(..., dtype=torch.int32)``) in the dtype torch-to-nnef's tracer assumes,
+    then convert them.
+
+    torch-to-nnef evaluates factories at trace time WITHOUT their ``dtype=``, so the traced
+    value has another dtype than the graph says and the next op fails (glm5_next's default
+    attention mask: ``running aten.bitwise_not(args=(tensor([[[1.]]]),))``; its indexer's int32
+    scatter_add base); ``aten::full`` with a bool fill does not even trace. The conversion
+    (``ne(x, 0)`` for bool, a cast otherwise) yields the same tensor.
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        dtype = node.kwargs.get("dtype") if node.op == "call_function" else None
+        if node.target not in _SIZED | _LIKE or dtype is None or not _fill_is_exact(node):
+            continue
+        if dtype != _traced_dtype(node):
+            _retype_factory(module.graph, node, dtype)
+            count += 1
+    return count
+
+
+def _sdpa_mask(node: fx.Node):
+    if node.target is not aten.scaled_dot_product_attention.default:
+        return None
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    return mask if isinstance(mask, fx.Node) else None
+
+
+@_recompiles
+def float_attention_masks(module: fx.GraphModule) -> int:
+    """Turn boolean SDPA masks into additive float masks (0 / -inf) in the query's dtype.
+
+    tract 0.23.9 compiles scaled_dot_product_attention into its flash kernel, which refuses a
+    boolean mask ("Mask must be floating point") at into_runnable(); transformers passes
+    boolean masks. The additive mask means the same.
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        mask = _sdpa_mask(node)
+        if mask is None or _val(mask).dtype != torch.bool:
+            continue
+        query_dtype = _val(node.args[0]).dtype
+        with module.graph.inserting_before(node):
+            additive = module.graph.call_function(aten.where.Scalar,
+                                                  (mask, 0.0, float("-inf")))
+            additive = module.graph.call_function(aten._to_copy.default, (additive,),
+                                                  {"dtype": query_dtype})
+        additive.meta["val"] = torch.empty_like(_val(mask), dtype=query_dtype)
+        node.replace_input_with(mask, additive)
+        count += 1
+    return count
+
+
+@_recompiles
+def scatter_values_as_tensors(module: fx.GraphModule) -> int:
+    """Spell ``scatter(x, dim, index, value)`` (a scalar value, ``mask.scatter_(1, idx, 1)``)
+    as a scatter of the tensor ``full_like(index, value)`` in x's dtype.
+
+    torch-to-nnef hands the scalar to tract's scatter_elements as its updates; tract 0.23.9
+    indexes the updates by the index's coordinates and panics on a rank-0 updates tensor
+    (Kimi-Linear's and Bailing's grouped MoE routers). torch casts the value to x's dtype.
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        if node.target is not aten.scatter.value:
+            continue
+        base, dim, index, value = node.args[:4]
+        dtype = _val(base).dtype
+        with module.graph.inserting_before(node):
+            # Cast the index first so that full_like inherits the dtype: torch-to-nnef's
+            # tracer drops full_like's own dtype= (see typed_factories).
+            typed = module.graph.call_function(aten._to_copy.default, (index,),
+                                               {"dtype": dtype})
+            src = module.graph.call_function(aten.full_like.default, (typed, value))
+        typed.meta["val"] = torch.empty_like(_val(index), dtype=dtype)
+        src.meta["val"] = typed.meta["val"]
+        node.target, node.args = aten.scatter.src, (base, dim, index, src)
+        count += 1
+    return count
+
+
+# --- ops torch-to-nnef lacks or limits ---------------------------------------------------
+
+# Ops functionalization emits that torch-to-nnef has no handler for, and the op that means
+# the same in a traced graph.
+RESPELL = {aten._unsafe_view.default: aten.reshape.default}
+
+
+@_recompiles
+def respell(module: fx.GraphModule) -> int:
+    """Replace ops torch-to-nnef lacks by equivalent ones it has (see RESPELL)."""
+    count = 0
+    for node in module.graph.nodes:
+        if node.target in RESPELL:
+            node.target = RESPELL[node.target]
+            count += 1
+    return count
+
+
+@_recompiles
+def sorted_topk(module: fx.GraphModule) -> int:
+    """Ask every topk for sorted results: torch-to-nnef exports only sorted topk.
+
+    ``sorted=False`` leaves the order unspecified, so sorted order is one valid answer (MoE
+    routers, e.g. Kimi-Linear's, ask for unsorted top-k and then sum over the picks).
+    """
+    count = 0
+    for node in module.graph.nodes:
+        if node.target is not aten.topk.default:
+            continue
+        if len(node.args) > 4 and node.args[4] is False:
+            node.args = (*node.args[:4], True)
+            count += 1
+        elif node.kwargs.get("sorted") is False:
+            node.kwargs = {**node.kwargs, "sorted": True}
+            count += 1
+    return count
+
+
+def _step(node: fx.Node) -> int:
+    return node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
+
+
+def _scatter_dim(node: fx.Node) -> int:
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return dim % _val(node).dim()
+
+
+def _strided_pieces(graph: fx.Graph, node: fx.Node) -> list:
+    base, src = node.args[0], node.args[1]
+    dim = _scatter_dim(node)
+    size = _val(node).shape[dim]
+    start = node.args[3] if len(node.args) > 3 and node.args[3] is not None else 0
+    end = node.args[4] if len(node.args) > 4 and node.args[4] is not None else size
+    written = {p: i for i, p in enumerate(range(*slice(start, end, _step(node)).indices(size)))}
+    pieces = []
+    for position in range(size):
+        source, at = (src, written[position]) if position in written else (base, position)
+        piece = graph.call_function(aten.slice.Tensor, (source, dim, at, at + 1, 1))
+        piece.meta["val"] = _val(source).narrow(dim, at, 1)
+        pieces.append(piece)
+    return pieces
+
+
+@_recompiles
+def unit_step_slice_scatters(module: fx.GraphModule) -> int:
+    """Spell each slice_scatter with a step > 1 as a cat of unit-step slices.
+
+    Functionalized models write strided slices (Qwen3.5's mRoPE: ``f[..., 1:33:3] = ...``)
+    and torch-to-nnef only exports slice_scatter with step 1. Position by position, the
+    result takes the source where the strided slice lands and the base elsewhere; sizes here
+    are static and small (a rotary half-width).
+    """
+    count = 0
+    for node in list(module.graph.nodes):
+        if node.target is not aten.slice_scatter.default or _step(node) == 1:
+            continue
+        with module.graph.inserting_before(node):
+            pieces = _strided_pieces(module.graph, node)
+            cat = module.graph.call_function(aten.cat.default, (pieces, _scatter_dim(node)))
+        cat.meta["val"] = _val(node)
+        node.replace_all_uses_with(cat)
+        module.graph.erase_node(node)
+        count += 1
+    return count
+
+
+# In order: refusals first (fail before any work), then fixes that remove nodes, then the
+# dtype fixes (typed_factories must also see the zeros empty_reshapes_as_constants makes).
+FIXES: tuple[Fix, ...] = (
+    refuse_boolean_mask_indexing, empty_reshapes_as_constants, typed_factories,
+    positive_select_indices, positive_scatter_dims, float_attention_masks,
+    unit_step_slice_scatters, respell, sorted_topk, scatter_values_as_tensors,
+)
+
+
+def apply_fixes(module: fx.GraphModule) -> dict[str, int]:
+    """Run every fix in FIXES on ``module`` (in place); return how many nodes each changed
+    (non-zero counts only). Raises ExportRefused when a refusal finds its construct."""
+    counts = {fix.__name__: fix(module) for fix in FIXES}
+    return {name: n for name, n in counts.items() if n}
