@@ -211,7 +211,8 @@ def main() -> None:
     common.silence_warnings()
     import gdn_fx  # noqa: F401  (registers torch.ops.gdn_fx)
 
-    layer = Layer(args.heads or (2 if args.quick else 16), args.width or (16 if args.quick else 128))
+    layer = Layer(args.heads or (2 if args.quick else 16),
+                  args.width or (16 if args.quick else 128))
     rounds = common.rounds_for(args, full=9)
     folder = common.workdir(args, "gdn_fast")
     if "decode" in args.parts:

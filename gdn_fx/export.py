@@ -10,29 +10,20 @@ import torch
 
 from gdn_fx.errors import ExportRefused
 
-LOGGER = logging.getLogger("gdn_fx.lowering")
 PLUGIN = "gdn_fx.lowering.t2n_plugin"
 
 
-def _graph_module(program):
-    """The graph the passes work on: the ExportedProgram's own, or the GraphModule itself."""
-    return program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
-
-
 def _refuse_unrolled(program) -> None:
-    """A symbolic axis over an unrolled recurrence would be silently wrong past the traced
-    length (FACTS.md): refuse it, using the passes' detector when it exists."""
-    try:
-        from gdn_fx.passes import find_unrolled
-    except ImportError:
-        LOGGER.warning("gdn_fx.passes.find_unrolled is unavailable: the program was NOT checked "
-                       "for unrolled recurrences before exporting dynamic axes")
-        return
-    found = list(find_unrolled(_graph_module(program)))
+    """A symbolic axis over a loop unrolled at the traced length would be silently wrong past
+    that length (FACTS.md): refuse it."""
+    from gdn_fx.passes import find_unrolled
+
+    found = find_unrolled(program)
     if found:
-        raise ExportRefused(f"dynamic axes over a graph that still holds an unrolled recurrence "
-                            f"({', '.join(map(str, found))}): tract would be silently wrong "
-                            "beyond the traced length; collapse it first (gdn_fx.collapse)")
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise ExportRefused(f"dynamic axes over a graph frozen at its traced length "
+                            f"({'; '.join(found[:3])}{more}): tract would be silently wrong "
+                            "at other lengths; collapse it first (gdn_fx.collapse)")
 
 
 def _writer_settings(path: Path) -> tuple[Path, Optional[int]]:
@@ -63,9 +54,11 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
 
     path: ``*.nnef`` writes a folder, ``*.nnef.tar`` / ``*.nnef.tgz`` an archive.
     dynamic_axes: ``{input_name: {axis: symbol}}``, e.g. ``{"q": {1: "S"}, ...}`` for a
-        symbolic sequence axis (each symbol is declared >= 1 to tract); refused
-        (ExportRefused) when the graph still holds an unrolled recurrence (checked with
-        ``gdn_fx.passes.find_unrolled`` when available).
+        symbolic sequence axis (each symbol is declared >= 1 to tract). Refused
+        (ExportRefused) when the graph still holds a loop frozen at the traced length
+        (``gdn_fx.find_unrolled``), or when an axis the program holds fixed does not compute
+        at two other lengths (a reshape to a literal size, ...): export such models with
+        symbolic shapes instead (``gdn_fx.hf.export_nnef_dynamic``).
     input_names / output_names: NNEF names; inputs default to the program's placeholder names.
     choose: force or forbid candidates: keys ``"*"``, an op name or a fused node name map to
         one candidate name to force; ``"forbid"`` maps to a list of names (everywhere) or to a
@@ -87,13 +80,16 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
     writer_path, compression = _writer_settings(path)
     target = Target.parse(tract_version, dynamic=bool(dynamic_axes))
     module = prog.traceable_module(program)
+    names = list(input_names) if input_names is not None else prog.input_names(module)
     prog.refuse_bfloat16(module)
     prog.apply_fixes(module)
     if dynamic_axes:
+        from gdn_fx.lowering.dynamic_axes import refuse_frozen_axes
+
         _refuse_unrolled(program)
+        refuse_frozen_axes(module, dynamic_axes, names)
     decisions = plan(module, target, choose)  # logs every decision and rejection
     to_bridge(module, {d.node: d.candidate for d in decisions})
-    names = list(input_names) if input_names is not None else prog.input_names(module)
     return _write(module, writer_path, compression, tract_version, dynamic_axes, decisions,
                   names, list(output_names) if output_names else None)
 

@@ -88,11 +88,13 @@ def _timed(report: Report, stage: str, say: Callable, what: str):
 def run(job: Job, say: Callable[[str], None] = print) -> Report:
     """Run the whole job; ``say`` receives progress lines."""
     import gdn_fx
-    from gdn_fx.hf import DecodeStep
+    from gdn_fx.hf import DecodeStep, prepare_for_nnef
 
     model, name = build_model(job)
-    _prepare_for_nnef(model)
+    prepare_for_nnef(model)
     step = DecodeStep(model, rule="recurrent" if job.seq_len > 1 else "auto")
+    if job.dynamic_seq:
+        return _run_dynamic(job, step, name, say)
     args = step.example_inputs(seq_len=job.seq_len)
     report = Report(model=f"{name}, {job.dtype}, S={job.seq_len}", expected=step.expected_fusions)
     with _timed(report, "export", say, f"torch.export of the step at S={job.seq_len} "
@@ -108,12 +110,38 @@ def run(job: Job, say: Callable[[str], None] = print) -> Report:
     return report
 
 
-def _lower(job: Job, step, program, report: Report, say: Callable) -> None:
+def _run_dynamic(job: Job, step, name: str, say: Callable) -> Report:
+    """Symbolic S: reify, export with a dynamic sequence axis, check tract at several S.
+
+    A static export bakes S into reshapes and masks (export_nnef refuses to make such an axis
+    symbolic), so this road traces the model with symbolic shapes instead of collapsing.
+    """
+    from gdn_fx.hf import check_dynamic, export_dynamic
+
+    seq_len = max(job.seq_len, 2)  # transformers branches on S == 1
+    report = Report(model=f"{name}, {job.dtype}, symbolic S (traced at {seq_len})",
+                    expected=step.expected_fusions)
+    with _timed(report, "export", say, "reify + torch.export with a dynamic sequence axis"):
+        program = export_dynamic(step, seq_len)
+    report.nodes_before = report.nodes_after = _calls(program)
+    report.counts = {k: _count(program, k) for k in report.expected}
+    _lower(job, step, program, report, say, {"input_ids": {1: "S"}}, seq_len)
+    for length, found in check_dynamic(step, report.nnef_path, (3, 50)).items():
+        report.checks[length] = max(found.errors)
+    return report
+
+
+def _count(program, op: str) -> int:
+    target = getattr(torch.ops.gdn_fx, op).default
+    return sum(1 for n in program.graph_module.graph.nodes if n.target is target)
+
+
+def _lower(job: Job, step, program, report: Report, say: Callable, dynamic=None,
+           seq_len: int = None) -> None:
     import gdn_fx
     from gdn_fx import tract_check
     from gdn_fx.lowering import plan_lowering
 
-    dynamic = {"input_ids": {1: "S"}} if job.dynamic_seq else None
     report.decisions = [str(d) for d in plan_lowering(program, dynamic_axes=dynamic)]
     job.out.parent.mkdir(parents=True, exist_ok=True)
     with _timed(report, "nnef", say, f"NNEF through torch-to-nnef -> {job.out}"):
@@ -121,22 +149,10 @@ def _lower(job: Job, step, program, report: Report, say: Callable) -> None:
                                   input_names=step.input_names, output_names=step.output_names)
     report.nnef_path, report.nnef_bytes = path, path.stat().st_size
     report.nnef_ops = _nnef_ops(path)
-    args = step.example_inputs(seq_len=job.seq_len)
+    args = step.example_inputs(seq_len=seq_len or job.seq_len)
     with _timed(report, "tract", say, "tract: load, optimize, run, compare with eager"):
         found = tract_check.compare(path, step.eager(*args), args)
     report.errors = dict(zip(step.output_names, found.errors))
-    for length in ((3, 50) if job.dynamic_seq else ()):
-        args = step.example_inputs(seq_len=length)
-        report.checks[length] = max(tract_check.compare(path, step.eager(*args), args).errors)
-
-
-def _prepare_for_nnef(model) -> None:
-    # transformers' default MoE kernel is a custom op torch-to-nnef does not know.
-    if hasattr(model, "set_experts_implementation"):
-        try:
-            model.set_experts_implementation("batched_mm")
-        except (ValueError, NotImplementedError):
-            pass
 
 
 def _calls(program) -> int:

@@ -15,10 +15,12 @@ f64; f16 models keep an f32 state), when the node l2-normalizes q and k itself. 
 - qk_l2norm=False: nothing then bounds beta * |k|^2, and the product form of (I + A)^-1 (powers
   of A up to A^(C/4)) loses f32 precision when it exceeds 1 (measured 4e-4 relative error with
   raw random keys, against ~3e-7 normalized).
-"matmul" serves both. The scan form uses chunks
-of ``SCAN_CHUNK``; the unrolled form uses ``CHUNK``, shrunk to the next power of two >= S for
-short S. (Sizes from bench/bench_gdn_fast.py runs: 2 x 32 per iteration beat 1 x 64 and 2 x 64
-in the loop; 64 beat 32 unrolled.)
+"matmul" serves both.
+
+Sizes (bench/bench_gdn_fast.py and A/B runs on a busy 2-core machine): the loop takes 2 chunks
+of 32 per iteration (beat 1 x 64 and 2 x 64: with one chunk per iteration tract pulls q S out
+of the loop and stores every chunk's state); the unrolled form takes chunks of 64, shrunk to
+the next power of two >= S for short S (S = 8: one chunk of 8, ~5x faster than chunks of 64).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from gdn_fx.lowering.target import Target
 CHUNK = 64
 SCAN_CHUNK = 32
 SCAN_CHUNKS_PER_STEP = 2
-MAX_UNROLLED_CHUNKS = 16  # tract load time grows super-linearly: 8 chunks ~2 s, 16 ~15 s, 32 ~60 s
+# tract's load time grows super-linearly with the chunks written out (busy 2-core machine,
+# 16 heads of 128: 8 chunks ~2 s, 16 ~15 s, 32 ~60 s); past this count "chunked" loops.
+MAX_UNROLLED_CHUNKS = 16
 LEAF = 16  # diagonal blocks of this width are inverted by the product form
 
 
@@ -106,8 +110,8 @@ def _emit(ctx: EmitContext, chunk: int, unrolled_chunks: int) -> list:
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work)
     values = constants(chunk, LEAF)
-    consts = [common.variable(ctx, name, values[name], work) for name in text.CONSTANTS[:-1]]
-    consts.append(common.scale_variable(ctx, work))
+    consts = [common.scale_variable(ctx, work) if name == "scale" else
+              common.variable(ctx, name, values[name], work) for name in text.CONSTANTS]
     name, frag = common.fragment(
         "gdn_fx_chunked",
         lambda suffix: text.definitions(facts, chunk, unrolled_chunks, suffix,

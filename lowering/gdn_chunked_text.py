@@ -16,9 +16,9 @@ blocks, down to a leaf width where the product above takes over), the off-diagon
 approximation. q and k arrive raw: their l2norm is folded into row and column scalings of
 small tensors (1/|k| is read off the diagonal of k k^T).
 
-Everything that does not depend on the state (U, W, q k^T * E, the scalings) is computed for
-all chunks at once, as batched matmuls over a leading chunk axis; only the recurrence
-(delta, o, S') runs chunk after chunk: a tract_core_scan, or written out for a static S.
+k k^T, E and T are computed for all chunks at once (their many small ops then run once, on a
+leading chunk axis); the rest runs chunk after chunk: a tract_core_scan, or written out for a
+static S.
 
 Layouts: M = B * Hk merges batch and key heads; G is the GQA factor. Keys and queries are
 [.., M, 1, C, Dk] and meet the G value heads of their key head by broadcasting (never
@@ -33,10 +33,10 @@ from __future__ import annotations
 from gdn_fx.lowering import gdn_fast_common as common
 from gdn_fx.lowering.facts import ScanFacts
 
-LOOP_INPUTS = ("w", "u", "q", "k", "qkm", "egq", "rr", "ac")
-LOOP_SOURCES = ("ww", "uu", "qq", "kk", "qkm", "egq", "rr", "ac")
+CHUNK_INPUTS = ("q", "rq", "k", "v", "e", "tt", "br", "egc", "egr", "rk", "rkr", "r", "ac")
+CHUNK_SOURCES = ("qq", "rqq", "kk", "vv", "e", "tt", "br", "egc", "egr", "rk", "rkr", "r", "ac")
 CONSTANTS = ("cum", "neg", "strict", "eyeh", "eyec", "zero4", "zero3", "scale")
-RANK = 5  # [n chunks, B*Hk, G, rows, columns]
+RANK = 5  # [n chunks, B*Hk, G or 1, rows, columns]
 
 
 def inverse_lines(source: str, result: str, size: int, eye: str, tag: str) -> list[str]:
@@ -61,7 +61,8 @@ def block_inverse_lines(source: str, result: str, size: int, rank: int, leaf: in
         return inverse_lines(source, result, size, "eyeh", f"{tag}i")
     h, rows, cols = size // 2, rank - 2, rank - 1
     pad = ", ".join(["(0, 0)"] * (rank - 1) + [f"(0, {h})"])
-    return [f"{tag}11 = slice({source}, axes = [{rows}, {cols}], begin = [0, 0], end = [{h}, {h}]);",
+    return [f"{tag}11 = slice({source}, axes = [{rows}, {cols}], begin = [0, 0],"
+            f" end = [{h}, {h}]);",
             f"{tag}22 = slice({source}, axes = [{rows}, {cols}], begin = [{h}, {h}],"
             f" end = [{size}, {size}]);",
             f"{tag}21 = slice({source}, axes = [{rows}, {cols}], begin = [{h}, 0],"
@@ -86,29 +87,30 @@ def leaf_rank(chunk: int, leaf: int) -> int:
     return rank
 
 
-def intra_lines(chunk: int, leaf: int) -> list[str]:
-    """Every chunk's state-free terms at once (see the module docstring), rank-5 tensors."""
+def inverse_part_lines(chunk: int, leaf: int) -> list[str]:
+    """For every chunk at once (rank-5 tensors): 1/|k| from the diagonal of k k^T, the pair
+    decays E and T = (I + A)^-1. Batched over chunks: these many small ops then run once."""
     eps = common.literal(common.L2NORM_EPS)
     return ["kkt = matmul(kk, kk, transposeB = true);",
             f"rk = rsqrt(add(sum_reduce(mul(kkt, eyec), axes = [4]), {eps}));",
             "rkr = transpose(rk, axes = [0, 1, 2, 4, 3]);",
             "e = exp(add(sub(gc, gr), neg));",
-            "qkt = mul(matmul(qq, kk, transposeB = true), mul(rqq, rkr));",
             "a = mul(mul(kkt, mul(e, strict)), mul(bc, mul(rk, rkr)));",
-            *block_inverse_lines("a", "tt", chunk, RANK, leaf),
+            *block_inverse_lines("a", "tt", chunk, RANK, leaf)]
+
+
+def chunk_lines() -> list[str]:
+    """One chunk from the state entering it (see the module docstring). q and k arrive RAW:
+    their l2norm is folded into row/column scalings of small tensors (rq = scale / |q|,
+    rk = 1 / |k|)."""
+    return ["qkt = mul(matmul(q, k, transposeB = true), mul(rq, rkr));",
             "tb = mul(tt, br);",
-            "uu = matmul(tb, vv);",
-            "ww = matmul(mul(tb, mul(egr, rkr)), kk);",
-            "qkm = mul(qkt, e);",
-            "egq = mul(egc, rqq);",
-            "rr = mul(r, rk);"]
-
-
-def step_lines() -> list[str]:
-    """One chunk of the recurrence, from the state entering it."""
-    return ["d = sub(u, matmul(w, state));",
-            "o = add(mul(egq, matmul(q, state)), matmul(qkm, d));",
-            "new_state = add(mul(state, ac), matmul(k, mul(rr, d), transposeA = true));"]
+            "u = matmul(tb, v);",
+            "w = matmul(mul(tb, mul(egr, rkr)), k);",
+            "d = sub(u, matmul(w, state));",
+            "o = add(mul(mul(egc, rq), matmul(q, state)), matmul(mul(qkt, e), d));",
+            "new_state = add(mul(state, ac),"
+            " matmul(k, mul(mul(r, rk), d), transposeA = true));"]
 
 
 def _heads_first(name: str, source: str, rank_tail: int, facts: ScanFacts) -> str:
@@ -176,20 +178,15 @@ def finish_lines(facts: ScanFacts) -> list[str]:
 
 
 def scan_loop_lines(per_step: int, suffix: str) -> list[str]:
-    """The recurrence as a tract_core_scan over the chunk axis (axis 0), ``per_step`` chunks
-    per iteration."""
+    """The chunk recurrence as a tract_core_scan over the chunk axis (axis 0), ``per_step``
+    chunks per iteration."""
     scans = ", ".join(f'("{name}_c", {src}, 0, {per_step})'
-                      for name, src in zip(LOOP_INPUTS, LOOP_SOURCES))
+                      for name, src in zip(CHUNK_INPUTS, CHUNK_SOURCES))
     return [f'(fin, oo) = tract_core_scan(body = "gdn_fx_chunked_scan_step{suffix}",',
             f"    scan = [{scans}],",
             '    full = [], state = [("state", st0, "new_state")],',
             f'    output = [("new_state", "last", 0, 1), ("o_c", "full", 0, {per_step})],',
             "    skip = 0, reset_every_turn = 1);"]
-
-
-def _slice_args(names, first: int) -> str:
-    return ", ".join(f"squeeze(slice({name}, axes = [0], begin = [{first}], end = [{first + 1}]),"
-                     " axes = [0])" for name in names)
 
 
 def scan_step_lines(per_step: int, suffix: str) -> list[str]:
@@ -198,20 +195,22 @@ def scan_step_lines(per_step: int, suffix: str) -> list[str]:
     (with one chunk it pulls q S out and materializes the state of every chunk: slower)."""
     lines, state = [], "state"
     for i in range(per_step):
+        args = ", ".join(f"squeeze(slice({name}_c, axes = [0], begin = [{i}], end = [{i + 1}]),"
+                         " axes = [0])" for name in CHUNK_INPUTS)
         after = "new_state" if i == per_step - 1 else f"mid{i}"
-        args = _slice_args([f"{name}_c" for name in LOOP_INPUTS], i)
-        lines.append(f"({after}, o{i}) = gdn_fx_chunked_step{suffix}({state}, {args});")
+        lines.append(f"({after}, o{i}) = gdn_fx_chunked_chunk{suffix}({state}, {args});")
         state = after
     outs = ", ".join(f"unsqueeze(o{i}, axes = [0])" for i in range(per_step))
     return lines + [f"o_c = concat([{outs}], axis = 0);"]
 
 
 def unrolled_loop_lines(chunks: int, suffix: str) -> list[str]:
-    """The recurrence written out for a static number of chunks."""
+    """The chunk recurrence written out for a static number of chunks."""
     lines, state, outs = [], "st0", []
     for c in range(chunks):
-        lines.append(f"(st{c + 1}, oc{c}) = gdn_fx_chunked_step{suffix}({state},"
-                     f" {_slice_args(LOOP_SOURCES, c)});")
+        args = ", ".join(f"squeeze(slice({src}, axes = [0], begin = [{c}], end = [{c + 1}]),"
+                         " axes = [0])" for src in CHUNK_SOURCES)
+        lines.append(f"(st{c + 1}, oc{c}) = gdn_fx_chunked_chunk{suffix}({state}, {args});")
         state = f"st{c + 1}"
         outs.append(f"unsqueeze(oc{c}, axes = [0])")
     return lines + [f"oo = concat([{', '.join(outs)}], axis = 0);", f"fin = copy({state});"]
@@ -222,8 +221,8 @@ def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
     """Every fragment of one node configuration; ``unrolled_chunks`` 0 means the scan form
     (``per_step`` chunks per iteration) with a run-time pad, else that many chunks written out
     (static S)."""
-    parts = [common.fragment_text(f"gdn_fx_chunked_step{suffix}", ["state", *LOOP_INPUTS],
-                                  ["new_state", "o"], step_lines())]
+    parts = [common.fragment_text(f"gdn_fx_chunked_chunk{suffix}", ["state", *CHUNK_INPUTS],
+                                  ["new_state", "o"], chunk_lines())]
     if unrolled_chunks:
         pad = str(unrolled_chunks * chunk - facts.seq)
         loop = unrolled_loop_lines(unrolled_chunks, suffix)
@@ -232,9 +231,10 @@ def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
         pad = f"(n + {whole - 1}) / {whole} * {whole} - n"
         loop = scan_loop_lines(per_step, suffix)
         parts.append(common.fragment_text(
-            f"gdn_fx_chunked_scan_step{suffix}", ["state", *(f"{n}_c" for n in LOOP_INPUTS)],
+            f"gdn_fx_chunked_scan_step{suffix}",
+            ["state", *(f"{n}_c" for n in CHUNK_INPUTS)],
             ["new_state", "o_c"], scan_step_lines(per_step, suffix)))
-    main = (prepare_lines(facts, chunk, pad, suffix) + intra_lines(chunk, leaf) + loop
+    main = (prepare_lines(facts, chunk, pad, suffix) + inverse_part_lines(chunk, leaf) + loop
             + finish_lines(facts))
     parts.append(common.fragment_text(f"gdn_fx_chunked{suffix}",
                                       ["q", "k", "v", "g", "beta", "s0", *CONSTANTS],

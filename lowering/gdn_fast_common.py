@@ -71,10 +71,8 @@ def literal(value: float) -> str:
 
 def l2norm_fragment(suffix: str) -> str:
     """``gdn_fx_fast_l2norm``: x * rsqrt(sum(x*x over the head dim, axis 3) + eps)."""
-    return (f"fragment gdn_fx_fast_l2norm{suffix}( x: tensor<scalar> ) -> ( y: tensor<scalar> )\n"
-            "{\n"
-            f"    y = mul(x, rsqrt(add(sum_reduce(mul(x, x), axes = [3]), {literal(L2NORM_EPS)})));\n"
-            "}\n")
+    return fragment_text(f"gdn_fx_fast_l2norm{suffix}", ["x"], ["y"], [
+        f"y = mul(x, rsqrt(add(sum_reduce(mul(x, x), axes = [3]), {literal(L2NORM_EPS)})));"])
 
 
 def prologue_lines(facts: ScanFacts, suffix: str) -> list[str]:

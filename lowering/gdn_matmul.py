@@ -10,16 +10,18 @@ With a = exp(g_t) and the OLD state S, one step is
 
 so the state is read by one matmul and written once. The two readout rows are pulled out of
 the matmul result with 0/1 masks and ``sum_reduce`` (slicing the result makes tract split the
-matmul and repack the state, FACTS.md); for GDN gates the decay ``a`` rides on those masks.
-KDA gates (one decay per key channel) scale the key/query rows instead, so both gate kinds are
-served. GQA: the state is [B, Hk, G, Dk, Dv]; for GDN the rows of a key head meet its G value
-heads by broadcasting (nothing repeated), for KDA the rows are per value head anyway.
+matmul and repack the state, FACTS.md). The decay rides on the rows: a scalar per value head
+for GDN gates, one per key channel for KDA gates, so both gate kinds are served (the rows are
+per value head either way: they are a*k, not a repeat of k). GQA: the state keeps the
+contract layout [B, Hv, Dk, Dv] (reshaping the input state would copy it); the per-key-head
+terms (k as a column, q.k) meet their G value heads by broadcasting in [B, Hk, G, ...] views
+of the small per-step tensors, so nothing is repeated.
 
 "matmul_step" writes the step once: it serves S = 1 with no symbolic axis in the export.
 "matmul" makes it the body of a ``tract_core_scan`` over the sequence with
-``reset_every_turn = 1``: any S, symbolic too. Every
-operand is cast to f32 (f64 when q or the state is f64) first, as the op's kernel does; f16
-models therefore carry an f32 state. bfloat16 is refused (no such dtype in tract).
+``reset_every_turn = 1``: any S, symbolic too. Every operand is cast to f32 (f64 when q or the
+state is f64) first, as the op's kernel does; f16 models therefore carry an f32 state.
+bfloat16 is refused (no such dtype in tract).
 """
 
 from __future__ import annotations

@@ -5,13 +5,17 @@ A candidate is a name, a pure check ``(facts, target) -> reason | None`` and an 
 The first candidate whose check passes wins; every rejection is logged (logger
 ``gdn_fx.lowering``) and kept in the returned ``Decision``.
 
-gated_delta_scan, by shape class (bench/bench_gdn_fast.py, tract 0.23.9, B=1, 16 heads, 128):
-- decode, S = 1 static: "matmul_step" (one matmul step; ~0.3x the native operator's time);
-- static S >= 2 (GDN gate, q/k l2norm in the node): "chunked_unrolled" (chunks written out,
-  chunk shrunk for short S; up to 16 chunks), then "chunked" (a loop over chunks; also every
-  symbolic S);
-- KDA gates, qk_l2norm=False, anything else: "matmul" (a loop of matmul steps);
-- "native" and "scan" stay as fallbacks (and can be forced with ``choose``).
+The order is decided by bench/ measurements on tract 0.23.9 CPU (bench/bench_gdn_fast.py:
+B=1, 16 heads of 128; bench/bench_conv.py: 6144 channels, K=4). By shape class:
+- gated_delta_scan, decode S = 1 static: "matmul_step" (one matmul step; ~0.3x the native
+  operator's time);
+- gated_delta_scan, static prefill up to 1024 (GDN gate, q/k l2norm in the node):
+  "chunked_unrolled" (chunks written out, shrunk for short S; up to 16 chunks of 64);
+- gated_delta_scan, longer or symbolic S (same conditions): "chunked" (a loop over chunks);
+- gated_delta_scan, KDA gates or qk_l2norm=False: "matmul" (a loop of matmul steps);
+- causal_conv1d_update: "portable" (2.1-2.5x faster than the native operator at S = 1,
+  3.3-3.9x at S = 64).
+The native operators (and "scan") stay as fallbacks and can be forced with ``choose``.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class Candidate:
 
 
 TABLE: dict[str, tuple[Candidate, ...]] = {
-    "gated_delta_scan": (  # order measured with bench/bench_gdn_fast.py (see below)
+    "gated_delta_scan": (  # order measured with bench/bench_gdn_fast.py (see above)
         Candidate("matmul_step", gdn_matmul.check_step, gdn_matmul.emit_step),
         Candidate("chunked_unrolled", gdn_chunked.check_unrolled, gdn_chunked.emit_unrolled),
         Candidate("chunked", gdn_chunked.check, gdn_chunked.emit),
@@ -50,9 +54,9 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
         Candidate("native", gdn_native.check, gdn_native.emit),
         Candidate("scan", gdn_scan.check, gdn_scan.emit),
     ),
-    "causal_conv1d_update": (
-        Candidate("native", conv_native.check, conv_native.emit),
+    "causal_conv1d_update": (  # order measured with bench/bench_conv.py (see above)
         Candidate("portable", conv_portable.check, conv_portable.emit),
+        Candidate("native", conv_native.check, conv_native.emit),
     ),
 }
 

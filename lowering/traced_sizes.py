@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gdn_fx.errors import ExportRefused
 
@@ -53,9 +54,11 @@ SPELLINGS = {
     aten.new_ones.default: ("call_method", "new_ones"),
     aten.zeros.default: ("call_function", torch.zeros),
     aten.ones.default: ("call_function", torch.ones),
+    aten.full.default: ("call_function", torch.full),
 }
 # Size arithmetic torch.export leaves as Python calls; they work on traced sizes as they are.
-SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.neg, operator.floordiv}
+SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.neg, operator.floordiv,
+                   operator.mod}
 # Runtime checks of the dynamic dims' ranges; tract gets ``tract_assert S >= 1`` instead.
 ASSERTIONS = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
 
@@ -94,12 +97,33 @@ def _respell(node: fx.Node, sizes: set) -> None:
             "size would be wrong at other lengths")
 
 
+def refuse_data_dependent_sizes(graph: fx.Graph) -> None:
+    """Raise ExportRefused at the first node whose output size depends on tensor VALUES.
+
+    torch.export gives such sizes unbacked symbols (``u0``): a boolean-mask index
+    ``x[:, mask]``, ``nonzero``, ``.item()`` used as a size. NNEF shapes can follow input
+    shapes only, and torch-to-nnef would freeze (or misread) them.
+    """
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        unbacked = free_unbacked_symbols(val) if val is not None else set()
+        if unbacked:
+            shown = list(val.shape) if isinstance(val, torch.Tensor) else val
+            raise ExportRefused(
+                f"node '{node.name}' ({node.target}) has the data-dependent size {shown} "
+                f"(symbol(s) {', '.join(sorted(map(str, unbacked)))}: it depends on tensor "
+                "values, e.g. a boolean-mask index x[:, mask]); NNEF shapes can follow input "
+                "shapes only")
+
+
 def trace_sizes(module: fx.GraphModule) -> int:
     """Respell, in place, every node computing or reading a symbolic size (see module doc).
 
-    Returns how many nodes were respelled (0 for a program with static shapes).
+    Refuses data-dependent sizes first (refuse_data_dependent_sizes). Returns how many nodes
+    were respelled (0 for a program with static shapes).
     """
     graph = module.graph
+    refuse_data_dependent_sizes(graph)
     _drop_assertions(graph)
     sizes: set = set()
     count = 0

@@ -19,6 +19,7 @@ from test_lowering_support import (SCAN_NAMES, ConvModule, ScanModule, conv_inpu
 
 LENGTHS = (1, 2, 7, 33, 100)
 SEQ_AXIS = {name: {1: "S"} for name in SCAN_NAMES[:5]}
+NATIVE_OR_SCAN = {"forbid": ["matmul_step", "chunked_unrolled", "chunked", "matmul"]}
 
 
 def _check_lengths(written, module, make_inputs) -> list[str]:
@@ -56,16 +57,19 @@ def test_conv_symbolic_sequence(candidate, tmp_path):
 
 def test_program_exported_with_a_symbolic_dim(tmp_path):
     """torch.export with Dim("S"): the node's S is symbolic, so the one-step operator of
-    0.23.5 is ruled out while 0.23.9's serves; the export runs at every length."""
+    0.23.5 is ruled out while 0.23.9's serves (the matmul-form candidates forbidden); the
+    export runs at every length. By default a symbolic S takes the loop over chunks."""
     from gdn_fx.lowering import plan_lowering
 
     seq = torch.export.Dim("S", min=1, max=4096)
     module = ScanModule(16 ** -0.5)
     program = torch.export.export(module, scan_inputs(s=4, groups=2),
                                   dynamic_shapes=({1: seq},) * 5 + (None,))
-    old = plan_lowering(program, tract_version="0.23.5")[0]
-    assert old.candidate == "scan" and "symbolic S" in old.rejected[0][1]
-    written = export_nnef(program, tmp_path / "dim.nnef", dynamic_axes=SEQ_AXIS)
+    assert [d.candidate for d in plan_lowering(program)] == ["chunked"]
+    old = plan_lowering(program, tract_version="0.23.5", choose=NATIVE_OR_SCAN)[0]
+    assert old.candidate == "scan" and "symbolic S" in dict(old.rejected)["native"]
+    written = export_nnef(program, tmp_path / "dim.nnef", dynamic_axes=SEQ_AXIS,
+                          choose=NATIVE_OR_SCAN)
     assert tract_check.read_decisions(written) == {"gated_delta_scan": "native"}
     print(_check_lengths(written, module, lambda s: scan_inputs(s=s, groups=2, seed=s)))
 

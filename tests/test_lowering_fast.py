@@ -82,6 +82,21 @@ def test_symbolic_graph_at_every_length(candidate, tmp_path):
         print(candidate, s, check_run(runnable, module, scan_inputs(s=s, seed=s, **SMALL), 1e-4))
 
 
+@pytest.mark.parametrize("candidate", ["chunked", "matmul"])
+def test_symbolic_batch_and_sequence(candidate, tmp_path):
+    """Batch and sequence both symbolic, with GQA: the text reads both at run time."""
+    module = Fused(0.25)
+    shape = dict(hk=2, dk=16, dv=16, groups=2)
+    program = torch.export.export(module, scan_inputs(s=4, b=2, **shape))
+    axes = {name: {0: "B", 1: "S"} for name in SCAN_NAMES[:5]}
+    axes["s0"] = {0: "B"}
+    written = export_nnef(program, tmp_path / "bs.nnef", choose={"*": candidate},
+                          dynamic_axes=axes)
+    runnable = tract_check.load(written)
+    for b, s in ((1, 3), (3, 70)):
+        check_run(runnable, module, scan_inputs(s=s, b=b, seed=s, **shape), 1e-4)
+
+
 @pytest.mark.parametrize("s", LENGTHS)
 def test_unrolled_chunks_static_lengths(s, tmp_path):
     module = Fused(16 ** -0.5)

@@ -1,7 +1,10 @@
 """gated_delta_scan exported to NNEF, loaded AND run by the tract Python package, vs torch eager.
 
-Each case records which candidate was emitted (from the NNEF's recorded decisions and the
-operator found in its text) and the relative error of every output.
+This file is about the "native" and "scan" candidates (the fast matmul-form candidates, first
+in the table, are tested in test_lowering_fast.py): unless a case forces one, the table picks
+between the two with the fast ones forbidden. Each case records which candidate was emitted
+(from the NNEF's recorded decisions and the operator found in its text) and the relative error
+of every output.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from test_lowering_support import (NATIVE_GDN, ScanModule, export_checked, scan_
                                    tolerance_for)
 
 F16, F32 = torch.float16, torch.float32
+FAST = ["matmul_step", "chunked_unrolled", "chunked", "matmul"]
+NATIVE_OR_SCAN = {"forbid": FAST}
 
-# name: (scan_inputs kwargs, scale or None for 1/sqrt(dk), qk_l2norm, forced candidate,
-#        expected candidate)
+# name: (scan_inputs kwargs, scale or None for 1/sqrt(dk), qk_l2norm, forced candidate (None:
+#        the table picks native or scan), expected candidate)
 CASES = {
     "f32_native": (dict(), None, True, None, "native"),
     "f32_scan": (dict(), None, True, "scan", "scan"),
@@ -45,7 +50,7 @@ def test_scan_runs_in_tract(case, tmp_path):
     kwargs, scale, l2, forced, expected = CASES[case]
     args = scan_inputs(**kwargs)
     scale = args[0].shape[-1] ** -0.5 if scale is None else scale
-    choose = {"gated_delta_scan": forced} if forced else None
+    choose = {"gated_delta_scan": forced} if forced else NATIVE_OR_SCAN
     decisions, comparison, text = export_checked(
         ScanModule(scale, l2), args, tmp_path / f"{case}.nnef", tolerance_for(*args),
         choose=choose)
@@ -121,7 +126,8 @@ def test_extra_ops_around_and_two_nodes(tmp_path):
     module = TwoLayers()
     program = torch.export.export(module, args)
     names = [n.name for n in program.graph.nodes if "gated_delta_scan" in str(n.target)]
-    written = export_nnef(program, tmp_path / "two.nnef.tgz", choose={names[1]: "scan"})
+    written = export_nnef(program, tmp_path / "two.nnef.tgz",
+                          choose={names[1]: "scan", **NATIVE_OR_SCAN})
     assert written.name == "two.nnef.tgz" and written.is_file()
     assert tract_check.read_decisions(written) == {names[0]: "native", names[1]: "scan"}
     assert tract_check.compare(written, module(*args), args).ok
@@ -134,14 +140,14 @@ def test_native_scale_is_exactly_inverse_sqrt_width():
     args = scan_inputs(dk=32, dv=32)
     for scale, want in [(1 / math.sqrt(32), "native"), (1.001 / math.sqrt(32), "scan")]:
         program = torch.export.export(ScanModule(scale), args)
-        assert [d.candidate for d in plan_lowering(program)] == [want]
+        assert [d.candidate for d in plan_lowering(program, choose=NATIVE_OR_SCAN)] == [want]
 
 
 def test_decisions_survive_a_tar_archive(tmp_path):
-    args = scan_inputs()
+    args = scan_inputs()  # static S = 4, GDN gate, q/k l2norm: the unrolled chunked form
     program = torch.export.export(ScanModule(0.3), args)
     written = export_nnef(program, tmp_path / "m.nnef.tar")
     assert written == tmp_path / "m.nnef.tar" and written.is_file()
-    assert tract_check.read_decisions(written) == {"gated_delta_scan": "scan"}
+    assert tract_check.read_decisions(written) == {"gated_delta_scan": "chunked_unrolled"}
     got = tract_check.run(written, args)
     assert np.isfinite(got[0]).all()

@@ -1,8 +1,10 @@
 """The lowering table: which candidate each (tract version, dtypes, widths, GQA, KDA, S, flags)
 gets, and how ``choose`` forces or forbids. Pure: no tracing, no tract.
 
-Expected candidates are written from FACTS.md's record of what tract accepted, release by
-release; they are not computed by the code under test.
+Expected candidates are written by hand: the default choice from the candidates' documented
+rules (lowering/gdn_matmul.py, gdn_chunked.py, conv_portable.py) and the table order measured
+in bench/; the native operators' answers from FACTS.md's record of what tract accepted, release
+by release. None is computed by the code under test.
 """
 
 from __future__ import annotations
@@ -49,86 +51,147 @@ def target(version, dynamic=False):
 
 F16_STATE = dict(DECODE_F16, initial_state="f16")
 
+# The table order, written out here (not read from the code under test).
+GDN_ORDER = ("matmul_step", "chunked_unrolled", "chunked", "matmul", "native", "scan")
+CONV_ORDER = ("portable", "native")
+FAST = ["matmul_step", "chunked_unrolled", "chunked", "matmul"]
+ONLY_NATIVE_OR_SCAN = Choice.parse({"forbid": FAST})
+ONLY_NATIVE_CONV = Choice.parse({"forbid": ["portable"]})
+
 SCAN_TABLE = [
-    # (tract version, dynamic axes, facts, expected candidate)
-    ("0.23.4", False, scan(), "scan"),  # no native operator yet
-    ("0.23.5", False, scan(), "native"),  # the first form: one f16 decode step, width 128
-    ("0.23.5", False, scan(s=4), "scan"),
-    ("0.23.5", True, scan(), "scan"),  # S may be symbolic: one-step op is unsafe
-    ("0.23.5", False, scan(dk=64), "scan"),
-    ("0.23.5", False, scan(groups=2), "scan"),  # no GQA in the first form
-    ("0.23.5", False, scan(dtypes=ALL_F32), "scan"),
-    ("0.23.5", False, scan(b=3), "native"),  # batch was always fine
-    ("0.23.8", False, scan(), "native"),
-    ("0.23.8", False, scan(dtypes=ALL_F32), "scan"),  # held to the first form below 0.23.9
-    ("0.23.9", True, scan(b=2, s=7, groups=4, dk=64, dtypes=ALL_F32), "native"),
-    ("0.23.9", False, scan(s=33, dk=8), "native"),
-    ("0.23.9", False, scan(dtypes=F16_STATE), "native"),
-    ("0.23.9", False, scan(dtypes=dict(ALL_F32, g="f16")), "native"),  # g widened to f32
-    ("0.23.9", False, scan(dtypes=dict(ALL_F32, initial_state="f16")), "scan"),
-    ("0.23.9", False, scan(dtypes=dict(DECODE_F16, v="f32")), "scan"),
-    ("0.23.9", False, scan(dtypes=dict.fromkeys(DECODE_F16, "f64")), "scan"),
-    ("0.23.9", False, scan(kda=True), "scan"),
-    ("0.23.9", False, scan(l2=False), "scan"),
-    ("0.23.9", False, scan(scale=0.3), "scan"),
-    ("0.23.9", False, scan(dk=64, dv=32), "scan"),
-    ("0.24.1", False, scan(groups=2, s=5), "native"),
+    # (tract version, dynamic axes, facts, default candidate, candidate among native/scan)
+    # Default, from the candidates' documented rules: matmul_step takes static S = 1;
+    # chunked_unrolled static S of at most 16 chunks of 64 (GDN gate, q/k l2norm in the node);
+    # chunked any S on the same conditions; matmul the rest. All take f16/f32/f64 only.
+    # native/scan, from FACTS.md's record of what tract accepted, release by release.
+    ("0.23.4", False, scan(), "matmul_step", "scan"),  # no native operator yet
+    ("0.23.5", False, scan(), "matmul_step", "native"),  # first form: one f16 step, width 128
+    ("0.23.5", False, scan(s=4), "chunked_unrolled", "scan"),
+    ("0.23.5", True, scan(), "chunked", "scan"),  # S may be symbolic: one-step ops are unsafe
+    ("0.23.5", False, scan(dk=64), "matmul_step", "scan"),
+    ("0.23.5", False, scan(groups=2), "matmul_step", "scan"),  # no GQA in the first form
+    ("0.23.5", False, scan(dtypes=ALL_F32), "matmul_step", "scan"),
+    ("0.23.5", False, scan(b=3), "matmul_step", "native"),  # batch was always fine
+    ("0.23.8", False, scan(), "matmul_step", "native"),
+    ("0.23.8", False, scan(dtypes=ALL_F32), "matmul_step", "scan"),  # first form below 0.23.9
+    ("0.23.9", True, scan(b=2, s=7, groups=4, dk=64, dtypes=ALL_F32), "chunked", "native"),
+    ("0.23.9", False, scan(s=33, dk=8), "chunked_unrolled", "native"),
+    ("0.23.9", False, scan(dtypes=F16_STATE), "matmul_step", "native"),
+    ("0.23.9", False, scan(dtypes=dict(ALL_F32, g="f16")), "matmul_step", "native"),
+    ("0.23.9", False, scan(dtypes=dict(ALL_F32, initial_state="f16")), "matmul_step", "scan"),
+    ("0.23.9", False, scan(dtypes=dict(DECODE_F16, v="f32")), "matmul_step", "scan"),
+    ("0.23.9", False, scan(dtypes=dict.fromkeys(DECODE_F16, "f64")), "matmul_step", "scan"),
+    ("0.23.9", False, scan(kda=True), "matmul_step", "scan"),
+    ("0.23.9", False, scan(l2=False), "matmul_step", "scan"),
+    ("0.23.9", False, scan(scale=0.3), "matmul_step", "scan"),
+    ("0.23.9", False, scan(dk=64, dv=32), "matmul_step", "scan"),
+    ("0.24.1", False, scan(groups=2, s=5), "chunked_unrolled", "native"),
+    # The shape classes of the default order.
+    ("0.23.9", False, scan(s=8), "chunked_unrolled", "native"),  # static prefill
+    ("0.23.9", False, scan(s=8, groups=2, scale=0.3), "chunked_unrolled", "scan"),  # any scale
+    ("0.23.9", False, scan(s=1024), "chunked_unrolled", "native"),  # 16 chunks of 64
+    ("0.23.9", False, scan(s=1025), "chunked", "native"),  # 17 chunks: the loop
+    ("0.23.9", True, scan(s=None), "chunked", "native"),  # symbolic S
+    ("0.23.9", True, scan(s=1), "chunked", "native"),  # traced S = 1, but axes are symbolic
+    ("0.23.9", False, scan(s=8, kda=True), "matmul", "scan"),
+    ("0.23.9", True, scan(s=None, kda=True, groups=2), "matmul", "scan"),
+    ("0.23.9", False, scan(s=8, l2=False), "matmul", "scan"),
+    ("0.23.9", True, scan(s=None, l2=False), "matmul", "scan"),
+    ("0.23.9", False, scan(s=8, dtypes=dict.fromkeys(DECODE_F16, "f64")), "chunked_unrolled",
+     "scan"),
 ]
 
 
-@pytest.mark.parametrize("version, dynamic, facts, expected", SCAN_TABLE)
-def test_scan_candidate_table(version, dynamic, facts, expected):
+@pytest.mark.parametrize("version, dynamic, facts, expected, fallback", SCAN_TABLE)
+def test_scan_candidate_table(version, dynamic, facts, expected, fallback):
     decision = decide(facts, target(version, dynamic))
     print(decision)
     assert decision.candidate == expected
-    assert (len(decision.rejected) == 0) == (expected == "native")
+    # Every candidate ahead of the winner was tried and rejected, none after it.
+    assert [name for name, _ in decision.rejected] == list(GDN_ORDER[:GDN_ORDER.index(expected)])
+    assert not decision.forced
+
+
+@pytest.mark.parametrize("version, dynamic, facts, expected, fallback", SCAN_TABLE)
+def test_scan_native_or_scan_table(version, dynamic, facts, expected, fallback):
+    decision = decide(facts, target(version, dynamic), ONLY_NATIVE_OR_SCAN)
+    print(decision)
+    assert decision.candidate == fallback
+    rejected = dict(decision.rejected)
+    assert all(rejected[name] == "forbidden by choose" for name in FAST)
+    assert ("native" in rejected) == (fallback == "scan")
 
 
 CONV_TABLE = [
-    ("0.23.4", False, conv(), "portable"),
-    ("0.23.5", False, conv(), "native"),  # first form: f16, K=4, one step, batch 1
-    ("0.23.5", False, conv(dtype="f32"), "portable"),
-    ("0.23.5", False, conv(k=3), "portable"),
-    ("0.23.5", False, conv(s=2), "portable"),
-    ("0.23.5", False, conv(b=2), "portable"),
-    ("0.23.5", True, conv(), "portable"),
-    ("0.23.9", True, conv(b=2, s=9, k=3, dtype="f32"), "native"),
-    ("0.23.9", False, conv(k=2), "native"),
-    ("0.23.9", False, conv(k=5), "native"),
-    ("0.23.9", False, conv(k=6), "portable"),
-    ("0.23.9", False, conv(k=1), "portable"),
-    ("0.23.9", False, conv(bias=True), "portable"),
-    ("0.23.9", False, conv(act=None), "portable"),
-    ("0.23.9", False, conv(dtypes=dict(weight="f32")), "portable"),
-    ("0.23.9", False, conv(dtype="f64"), "portable"),
+    # (tract version, dynamic axes, facts, default candidate, native's answer: "native" or None
+    # for a rejection). The default is "portable" for every f16/f32/f64 node.
+    ("0.23.4", False, conv(), "portable", None),
+    ("0.23.5", False, conv(), "portable", "native"),  # first form: f16, K=4, one step, batch 1
+    ("0.23.5", False, conv(dtype="f32"), "portable", None),
+    ("0.23.5", False, conv(k=3), "portable", None),
+    ("0.23.5", False, conv(s=2), "portable", None),
+    ("0.23.5", False, conv(b=2), "portable", None),
+    ("0.23.5", True, conv(), "portable", None),
+    ("0.23.9", True, conv(b=2, s=9, k=3, dtype="f32"), "portable", "native"),
+    ("0.23.9", False, conv(k=2), "portable", "native"),
+    ("0.23.9", False, conv(k=5), "portable", "native"),
+    ("0.23.9", False, conv(k=6), "portable", None),
+    ("0.23.9", False, conv(k=1), "portable", None),
+    ("0.23.9", False, conv(bias=True), "portable", None),
+    ("0.23.9", False, conv(act=None), "portable", None),
+    ("0.23.9", False, conv(dtypes=dict(weight="f32")), "portable", None),
+    ("0.23.9", False, conv(dtype="f64"), "portable", None),
+    ("0.23.9", False, conv(s=64, c=6144, dtype="f32"), "portable", "native"),  # Qwen3.5 prefill
+    ("0.23.9", False, conv(dtype="bf16"), None, None),  # no bf16 in tract
 ]
 
 
-@pytest.mark.parametrize("version, dynamic, facts, expected", CONV_TABLE)
-def test_conv_candidate_table(version, dynamic, facts, expected):
-    assert decide(facts, target(version, dynamic)).candidate == expected
+@pytest.mark.parametrize("version, dynamic, facts, expected, native", CONV_TABLE)
+def test_conv_candidate_table(version, dynamic, facts, expected, native):
+    if expected is None:
+        with pytest.raises(LoweringUnsupported, match="portable: .*native: "):
+            decide(facts, target(version, dynamic))
+        return
+    decision = decide(facts, target(version, dynamic))
+    assert decision.candidate == expected
+    assert [name for name, _ in decision.rejected] == list(CONV_ORDER[:CONV_ORDER.index(expected)])
 
 
-def test_table_is_one_literal_with_native_first():
-    assert candidate_names() == {"gated_delta_scan": ("native", "scan"),
-                                 "causal_conv1d_update": ("native", "portable")}
+@pytest.mark.parametrize("version, dynamic, facts, expected, native", CONV_TABLE)
+def test_conv_native_table(version, dynamic, facts, expected, native):
+    if native is None:
+        with pytest.raises(LoweringUnsupported, match="native: ") as info:
+            decide(facts, target(version, dynamic), ONLY_NATIVE_CONV)
+        assert "portable: forbidden by choose" in str(info.value)
+        return
+    assert decide(facts, target(version, dynamic), ONLY_NATIVE_CONV).candidate == native
+
+
+def test_table_is_one_literal_in_measured_order():
+    assert candidate_names() == {"gated_delta_scan": GDN_ORDER, "causal_conv1d_update": CONV_ORDER}
     assert all(callable(c.check) and callable(c.emit) for cs in TABLE.values() for c in cs)
 
 
-def test_bfloat16_has_no_candidate():
-    facts = scan(dtypes=dict.fromkeys(DECODE_F16, "bf16"))
+@pytest.mark.parametrize("dynamic, s", [(False, 1), (False, 8), (True, None)])
+def test_bfloat16_has_no_candidate(dynamic, s):
+    facts = scan(s=s, dtypes=dict.fromkeys(DECODE_F16, "bf16"))
     with pytest.raises(LoweringUnsupported, match="bf16") as info:
-        decide(facts, target("0.23.9"))
-    assert "native:" in str(info.value) and "scan:" in str(info.value)
+        decide(facts, target("0.23.9", dynamic))
+    assert all(f"{name}:" in str(info.value) for name in GDN_ORDER)
 
 
 def test_every_rejection_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="gdn_fx.lowering"):
-        decision = decide(scan(kda=True, scale=0.3), target("0.23.9"))
+        decision = decide(scan(s=8, kda=True, scale=0.3), target("0.23.9"),
+                          Choice.parse({"forbid": ["matmul"]}))
     assert decision.candidate == "scan"
-    assert decision.rejected[0][0] == "native" and "scale" in decision.rejected[0][1]
-    assert any("native rejected" in r.getMessage() and "scale" in r.getMessage()
-               for r in caplog.records)
+    rejected = dict(decision.rejected)
+    assert list(rejected) == ["matmul_step", "chunked_unrolled", "chunked", "matmul", "native"]
+    assert "S=8" in rejected["matmul_step"] and "KDA" in rejected["chunked"]
+    assert rejected["matmul"] == "forbidden by choose" and "scale" in rejected["native"]
+    messages = [r.getMessage() for r in caplog.records]
+    for name, reason in decision.rejected:
+        assert any(f"{name} rejected" in m and reason in m for m in messages), name
 
 
 def test_version_parsing():
@@ -144,19 +207,25 @@ def test_version_parsing():
 def test_force_and_forbid():
     t = target("0.23.9")
     assert decide(scan(), t, Choice.parse({"*": "scan"})).candidate == "scan"
-    assert decide(scan(), t, Choice.parse({"forbid": ["native"]})).candidate == "scan"
-    assert decide(conv(), t, Choice.parse({"*": "scan"})).candidate == "native"  # not its name
-    assert decide(conv(), t, Choice.parse({"forbid": {"n": "native"}})).candidate == "portable"
+    assert decide(scan(), t, Choice.parse({"*": "native"})).candidate == "native"
+    assert decide(scan(), t, Choice.parse({"forbid": ["matmul_step"]})).candidate == (
+        "chunked_unrolled")  # one chunk of 2 serves S = 1
+    assert decide(scan(), t, Choice.parse({"forbid": FAST + ["native"]})).candidate == "scan"
+    assert decide(conv(), t, Choice.parse({"*": "scan"})).candidate == "portable"  # not its name
+    assert decide(conv(), t, Choice.parse({"forbid": {"n": "portable"}})).candidate == "native"
+    assert decide(conv(), t, Choice.parse({"*": "native"})).candidate == "native"
     node_over_op = Choice.parse({"n": "native", "gated_delta_scan": "scan"})
     assert decide(scan(), t, node_over_op).candidate == "native"
-    assert decide(scan(), t, Choice.parse({"m": "scan"})).candidate == "native"  # other node
+    assert decide(scan(), t, Choice.parse({"m": "scan"})).candidate == "matmul_step"  # other node
 
 
 def test_forced_candidate_that_rejects_is_an_error():
     with pytest.raises(LoweringUnsupported, match="KDA"):
         decide(scan(kda=True), target("0.23.9"), Choice.parse({"*": "native"}))
+    with pytest.raises(LoweringUnsupported, match="S=8"):
+        decide(scan(s=8), target("0.23.9"), Choice.parse({"*": "matmul_step"}))
     with pytest.raises(LoweringUnsupported, match="forbidden"):
-        decide(scan(), target("0.23.9"), Choice.parse({"forbid": ["native", "scan"]}))
+        decide(scan(), target("0.23.9"), Choice.parse({"forbid": FAST + ["native", "scan"]}))
 
 
 @pytest.mark.parametrize("choose, message", [

@@ -1,4 +1,5 @@
-"""transformers helpers: tiny model families, an exportable decode step, and reify."""
+"""transformers helpers: tiny model families, an exportable decode step, reify, and NNEF
+preparation with the dynamic-length (symbolic S) export."""
 
 from gdn_fx.hf.configs import FAMILIES, tiny_config, tiny_model
 from gdn_fx.hf.decode import DecodeStep, hf_continue
