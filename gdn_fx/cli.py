@@ -37,8 +37,18 @@ def _export(job) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``gdn-fx`` command; returns the exit status."""
+    """Entry point of the ``gdn-fx`` command; returns the exit status (2: refused input)."""
+    from gdn_fx.errors import GdnFxError
+
     args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except GdnFxError as err:  # a refusal with a reason, not a crash
+        print(f"gdn-fx: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args) -> int:
     if args.command == "diff":
         from gdn_fx.diff import graph_diff, load_graph
 
