@@ -388,7 +388,39 @@ def unit_step_slice_scatters(module: fx.GraphModule) -> int:
 
 # In order: refusals first (fail before any work), then fixes that remove nodes, then the
 # dtype fixes (typed_factories must also see the zeros empty_reshapes_as_constants makes).
+# --- tract miscompiles -----------------------------------------------------------------
+
+_CONVS = {aten.convolution.default, aten.conv1d.default, aten.conv1d.padding}
+
+
+@_recompiles
+def reshaped_depthwise_filters(module: fx.GraphModule) -> int:
+    """Give depthwise conv filters made by ``unsqueeze(w [C, K], 1)`` as ``reshape(w)``.
+
+    tract 0.23.9 runs a static-shape depthwise conv whose filter is an unsqueezed constant with
+    the wrong weights (channel c reads flat_w[c:c+K], FACTS.md): every causal conv that
+    transformers writes ``weight.unsqueeze(1)`` and that was not collapsed (a cache-less
+    prefill) would be silently wrong. A reshape to [C, 1, K] means the same and is compiled
+    right.
+    """
+    count = 0
+    for node in module.graph.nodes:
+        weight = node.args[1] if node.target in _CONVS and len(node.args) > 1 else None
+        if not isinstance(weight, fx.Node) or weight.target is not aten.unsqueeze.default:
+            continue
+        shape = list(_val(weight).shape)
+        if len(shape) != 3 or shape[1] != 1 or weight.args[1] % 3 != 1:
+            continue
+        with module.graph.inserting_before(node):
+            filters = module.graph.call_function(aten.reshape.default, (weight.args[0], shape))
+        filters.meta["val"] = _val(weight)
+        node.replace_input_with(weight, filters)
+        count += 1
+    return count
+
+
 FIXES: tuple[Fix, ...] = (
+    reshaped_depthwise_filters,
     refuse_boolean_mask_indexing, empty_reshapes_as_constants, typed_factories,
     positive_scatter_dims, float_attention_masks,
     unit_step_slice_scatters, respell, sorted_topk, scatter_values_as_tensors, precise_sigmoids,

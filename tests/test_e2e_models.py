@@ -165,7 +165,20 @@ class SigmoidTail(nn.Module):
         return torch.sigmoid(x)
 
 
+class CachelessCausalConv(nn.Module):  # reshaped_depthwise_filters: tract read wrong weights
+    def __init__(self, channels=6, width=4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels, width))
+        self.bias = nn.Parameter(torch.randn(channels))
+
+    def forward(self, x):  # a prefill with no cache: transformers' causal_conv1d_fn
+        out = nn.functional.conv1d(x, self.weight.unsqueeze(1), self.bias,
+                                   groups=x.shape[1], padding=self.weight.shape[1] - 1)
+        return nn.functional.silu(out[..., :x.shape[-1]])
+
+
 SMALL_CASES = {
+    "cacheless_causal_conv": (CachelessCausalConv(), (torch.randn(1, 6, 5),)),
     "typed_constants": (TypedConstants(), (torch.randn(1, 3, 4),)),
     "int_zeros_scatter_add": (IntZerosScatterAddLastDim(),
                               (torch.randn(1, 1, 5), torch.tensor([[[0, 4, 4, 1, 0, 0]]]))),
