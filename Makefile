@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/gdn-fx demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

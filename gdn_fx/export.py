@@ -73,6 +73,7 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
     """
     from gdn_fx.lowering import program as prog
     from gdn_fx.lowering.bridge import to_bridge
+    from gdn_fx.lowering.fixes import apply_fixes
     from gdn_fx.lowering.plan import plan
     from gdn_fx.lowering.target import Target
 
@@ -82,7 +83,7 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
     module = prog.traceable_module(program)
     names = list(input_names) if input_names is not None else prog.input_names(module)
     prog.refuse_bfloat16(module)
-    prog.apply_fixes(module)
+    apply_fixes(module)
     if dynamic_axes:
         from gdn_fx.lowering.dynamic_axes import refuse_frozen_axes
 

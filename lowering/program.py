@@ -7,8 +7,7 @@ of outputs, parameters and buffers as attributes, no guard call. The caller's pr
 never modified. Example inputs for the trace are made from the placeholders' ``meta["val"]``.
 Symbolic sizes of a program exported with dynamic dims are respelled so that the trace keeps
 them as computations (``gdn_fx.lowering.traced_sizes``).
-The rewrites torch-to-nnef and tract need before tracing live in ``gdn_fx.lowering.fixes``
-(``apply_fixes``, re-exported here for ``export_nnef``).
+The rewrites torch-to-nnef and tract need before tracing live in ``gdn_fx.lowering.fixes``.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch.fx as fx
 
 from gdn_fx.errors import DTypeError, UnsupportedProgram
 from gdn_fx.lowering.facts import static_dim
-from gdn_fx.lowering.fixes import FIXES, apply_fixes  # noqa: F401  (export_nnef's entry)
 from gdn_fx.lowering.traced_sizes import trace_sizes
 
 Program = Union[torch.export.ExportedProgram, fx.GraphModule]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -55,6 +56,23 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
         return 0.0
     scale = want.abs().max().item() or 1.0
     return (got - want).abs().max().item() / scale
+
+
+def max_rel(gots, wants) -> float:
+    """The largest rel_err over paired outputs, which must agree in shape and dtype."""
+    gots, wants = list(gots), list(wants)
+    assert len(gots) == len(wants)
+    for g, w in zip(gots, wants):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+    return max((rel_err(g, w) for g, w in zip(gots, wants)), default=0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(name: str):
+    """gdn_fx.hf.tiny_model(name), built once per test session."""
+    from gdn_fx.hf import tiny_model
+
+    return tiny_model(name)
 
 
 def flat(outputs: Any) -> list[torch.Tensor]:

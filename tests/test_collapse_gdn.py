@@ -10,7 +10,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_d
 import gdn_fx
 from gdn_fx.reference import recurrent_delta_rule_reference
 from programs import (FORMS, assert_close_outputs, count_calls, export_form, flat, fused_nodes,
-                      graph_of, rel_err, run)
+                      rel_err, run)
 
 SCAN = torch.ops.gdn_fx.gated_delta_scan.default
 

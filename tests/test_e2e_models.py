@@ -8,7 +8,6 @@ gdn_fx.lowering.fixes / traced_sizes that no whole family below exercises, and t
 """
 
 import functools
-import warnings
 
 import pytest
 import torch
@@ -30,13 +29,6 @@ REQUIRED = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lara_mini", 
             "lfm2")
 BEST_EFFORT = ("bailing_hybrid", "bamba")
 FUSED_OPS = ("gated_delta_scan", "causal_conv1d_update")
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 @functools.lru_cache(maxsize=None)

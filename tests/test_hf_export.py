@@ -1,48 +1,16 @@
 """gdn_fx.hf.DecodeStep under torch.export: every family, decode and recurrent prefill."""
 
-import functools
-import warnings
 
 import pytest
 import torch
 
-from gdn_fx.hf import FAMILIES, DecodeStep, tiny_model
+from gdn_fx.hf import FAMILIES, DecodeStep
+from programs import max_rel, tiny
 
 pytestmark = pytest.mark.slow  # whole-model exports; they still run by default
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: extra intra-op threads only spin against other processes on shared cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-@functools.lru_cache(maxsize=None)
-def model(name):
-    return tiny_model(name)
-
-
-def rel_err(got, want):
-    if want.numel() == 0:
-        return 0.0
-    scale = want.double().abs().max().clamp_min(1e-30)
-    return ((got.double() - want.double()).abs().max() / scale).item()
-
-
-def max_rel(gots, wants):
-    for g, w in zip(gots, wants, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-    return max(rel_err(g, w) for g, w in zip(gots, wants))
+model = tiny
 
 
 def export_and_check(step, args, strict=False):

@@ -1,7 +1,5 @@
 """gdn_fx.hf: tiny families, DecodeStep against transformers' own cache flow, and exports."""
 
-import functools
-import warnings
 
 import pytest
 import torch
@@ -10,46 +8,13 @@ from gdn_fx.errors import DTypeError, ShapeError
 from gdn_fx.hf import FAMILIES, DecodeStep, hf_continue, tiny_config, tiny_model
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE, family
 from gdn_fx.hf.patching import RULE_NAMES, modeling_modules
+from programs import max_rel, rel_err, tiny
 
 LINEAR_TYPES = ("linear_attention", "conv")
 DELTA_FAMILIES = [f for f in FAMILIES if family(f).mixer in ("gdn", "kda")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: extra intra-op threads only spin against other processes on shared cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    # transformers warns once per missing fast kernel; dynamo warns about the swaps in forward.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-@functools.lru_cache(maxsize=None)
-def model(name):
-    return tiny_model(name)
-
-
-def rel_err(got, want):
-    """max |got - want| / max |want| (0 for empty tensors)."""
-    if want.numel() == 0:
-        return 0.0
-    scale = want.double().abs().max().clamp_min(1e-30)
-    return ((got.double() - want.double()).abs().max() / scale).item()
-
-
-def max_rel(gots, wants):
-    assert len(gots) == len(wants)
-    for g, w in zip(gots, wants):
-        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
-    return max(rel_err(g, w) for g, w in zip(gots, wants))
+model = tiny
 
 
 def text_config(name):

@@ -1,8 +1,6 @@
 """gdn_fx.hf.reify: drop-ins equal transformers' eager math, and export with a dynamic S."""
 
-import functools
 import types
-import warnings
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from gdn_fx.hf import FAMILIES, DecodeStep, UnsupportedModel, reify, tiny_model
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE, family
 from gdn_fx.hf.dropins import conv_fn, conv_update, make_rule
 from gdn_fx.hf.patching import RULE_NAMES, Patches, modeling_modules
+from programs import max_rel, rel_err, tiny
 
 SCAN = torch.ops.gdn_fx.gated_delta_scan.default
 CONV = torch.ops.gdn_fx.causal_conv1d_update.default
@@ -20,38 +19,7 @@ DYNAMIC_FAMILIES = [f for f in FAMILIES if family(f).mixer != "mamba2"]
 CHECK_SEQ = (2, 3, 8, 17, 50)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: extra intra-op threads only spin against other processes on shared cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-@functools.lru_cache(maxsize=None)
-def model(name):
-    return tiny_model(name)
-
-
-def rel_err(got, want):
-    if want.numel() == 0:
-        return 0.0
-    scale = want.double().abs().max().clamp_min(1e-30)
-    return ((got.double() - want.double()).abs().max() / scale).item()
-
-
-def max_rel(gots, wants):
-    for g, w in zip(gots, wants, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-    return max(rel_err(g, w) for g, w in zip(gots, wants))
+model = tiny
 
 
 def fused_counts(ep):
