@@ -86,8 +86,9 @@ class Decision:
 
     def __str__(self) -> str:
         why = "; ".join(f"{name}: {reason}" for name, reason in self.rejected)
-        how = " (forced)" if self.forced else ""
-        return f"{self.node} [{self.op}] -> {self.candidate}{how}" + (f"  ({why})" if why else "")
+        if not why:
+            why = "forced by choose" if self.forced else "first in the table, accepted"
+        return f"{self.node} [{self.op}] -> {self.candidate}  ({why})"
 
 
 def _reject(facts: Facts, name: str, reason: str) -> tuple[str, str]:

@@ -80,11 +80,12 @@ def _in_place(outs: list[fx.Node], order: dict) -> Gathered:
         erase += [write, view]
     _check_buffer(buf, axis, len(outs))
     last = max(order[n] for n in erase)
-    early = [u for u in buf.users if u not in erase and order[u] < last]
+    erased = set(erase)  # a buffer has one user per step: a list lookup here is quadratic
+    early = [u for u in buf.users if u not in erased and order[u] < last]
     if early:
         raise NoMatch(f"{early[0].name} reads the output buffer before the loop has filled it",
                       node=early[0])
-    mutating = [u for u in buf.users if u not in erase and _mutates(u)]
+    mutating = [u for u in buf.users if u not in erased and _mutates(u)]
     if mutating:
         raise NoMatch(f"{mutating[0].name} writes the output buffer after the loop",
                       node=mutating[0])

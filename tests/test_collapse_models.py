@@ -42,12 +42,18 @@ def test_decode_steps_collapse_in_core_aten(family):
     collapsed(family, 1, form="core")
 
 
-@pytest.mark.parametrize("family,seq_len", [("qwen3_5", 8), ("qwen3_5", 70), ("qwen3_5", 130),
-                                            ("qwen3_next", 8), ("qwen3_next", 70),
-                                            ("olmo_hybrid", 8), ("olmo_hybrid", 70),
-                                            ("kimi_linear", 8)])
+@pytest.mark.parametrize("seq_len", [8, 70, 130])  # one chunk, two and a pad, three
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "olmo_hybrid", "kimi_linear"])
 def test_prefill_steps_collapse(family, seq_len):
     step, _, program, result = collapsed(family, seq_len)
+    before, after = count_calls(program), count_calls(result.program)
+    assert before - after > 700 * step.expected_fusions["gated_delta_scan"], (before, after)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "lara_mini", "bailing_hybrid", "glm5_next"])
+def test_prefill_of_the_other_families_collapses(family):
+    """Same chunked rules inside other blocks (MoE, sliding window, other KDA hybrids)."""
+    step, _, program, result = collapsed(family, 70)
     before, after = count_calls(program), count_calls(result.program)
     assert before - after > 700 * step.expected_fusions["gated_delta_scan"], (before, after)
 

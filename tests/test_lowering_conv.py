@@ -12,7 +12,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update as
 
 from gdn_fx import tract_check
 from gdn_fx.export import export_nnef
-from test_lowering_support import (NATIVE_CONV, ConvModule, conv_inputs, export_checked,
+from lowering_programs import (NATIVE_CONV, ConvModule, conv_inputs, export_checked,
                                    tolerance_for)
 
 F16, F32 = torch.float16, torch.float32

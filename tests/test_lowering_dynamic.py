@@ -14,7 +14,7 @@ import gdn_fx.passes
 from gdn_fx import tract_check
 from gdn_fx.errors import ExportRefused
 from gdn_fx.export import export_nnef
-from test_lowering_support import (SCAN_NAMES, ConvModule, ScanModule, conv_inputs,
+from lowering_programs import (SCAN_NAMES, ConvModule, ScanModule, conv_inputs,
                                    scan_inputs)
 
 LENGTHS = (1, 2, 7, 33, 100)

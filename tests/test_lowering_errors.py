@@ -11,7 +11,7 @@ import torch.fx as fx
 from gdn_fx.errors import (DTypeError, GdnFxError, LoweringUnsupported, ShapeError,
                            UnsupportedProgram)
 from gdn_fx.export import export_nnef
-from test_lowering_support import CONV, SCAN, SCAN_NAMES, ConvModule, ScanModule, scan_inputs
+from lowering_programs import CONV, SCAN, SCAN_NAMES, ConvModule, ScanModule, scan_inputs
 
 
 def _fused_graph(target, values: dict, literals=(), kwargs=None, meta=True) -> fx.GraphModule:

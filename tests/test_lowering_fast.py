@@ -19,7 +19,7 @@ from gdn_fx.export import export_nnef
 from gdn_fx.lowering import Target, decide
 from gdn_fx.lowering.facts import ScanFacts
 from gdn_fx.reference import l2norm, recurrent_delta_rule_reference
-from test_lowering_support import SCAN_NAMES, scan_inputs
+from lowering_programs import SCAN_NAMES, scan_inputs
 
 LENGTHS = (1, 2, 63, 64, 65, 500, 1000)
 SEQ_AXES = {name: {1: "S"} for name in SCAN_NAMES[:5]}

@@ -15,7 +15,7 @@ import gdn_fx.lowering.t2n_plugin  # noqa: F401  (registers the handlers)
 from gdn_fx import tract_check
 from gdn_fx.lowering import emit_native_gdn_recurrent
 from gdn_fx.lowering.offline_target import offline_tract_target
-from test_lowering_support import SCAN, scan_inputs
+from lowering_programs import SCAN, scan_inputs
 
 
 def test_entry_point_names_the_plugin():

@@ -17,7 +17,7 @@ import torch
 
 from gdn_fx import tract_check
 from gdn_fx.export import export_nnef
-from test_lowering_support import (NATIVE_GDN, ScanModule, export_checked, scan_inputs,
+from lowering_programs import (NATIVE_GDN, ScanModule, export_checked, scan_inputs,
                                    tolerance_for)
 
 F16, F32 = torch.float16, torch.float32
