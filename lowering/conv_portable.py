@@ -14,20 +14,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from gdn_fx.lowering.facts import ConvFacts
+from gdn_fx.lowering.facts import ConvFacts, portable_dtype_reason
 from gdn_fx.lowering.fragments import generated
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
-SUPPORTED_DTYPES = ("f16", "f32", "f64")
-
-
 def check(facts: ConvFacts, target: Target) -> Optional[str]:
     """Why the portable form can not serve this node (None: it can)."""
-    bad = {name: dt for name, dt in facts.dtypes.items() if dt not in SUPPORTED_DTYPES}
-    if bad:
-        return f"dtypes {bad}: tract and torch-to-nnef have no such dtype (use f16 or f32)"
-    return None
+    return portable_dtype_reason(facts)
 
 
 def fragment_name(kernel: int, bias: bool, silu: bool) -> str:

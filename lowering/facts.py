@@ -35,6 +35,15 @@ def dtype_name(dtype) -> str:
         return str(dtype)
 
 
+def portable_dtype_reason(facts) -> Optional[str]:
+    """Why plain NNEF can not carry these operands (None: it can): tract and torch-to-nnef
+    have f16, f32 and f64, no bf16."""
+    bad = {name: dt for name, dt in facts.dtypes.items() if dt not in ("f16", "f32", "f64")}
+    if bad:
+        return f"dtypes {bad}: tract and torch-to-nnef have no such dtype (use f16 or f32)"
+    return None
+
+
 def static_dim(dim) -> Optional[int]:
     """An int extent, or None when the extent is symbolic (a SymInt without a constant)."""
     if isinstance(dim, int):

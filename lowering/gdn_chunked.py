@@ -31,7 +31,7 @@ import numpy as np
 
 from gdn_fx.lowering import gdn_chunked_text as text
 from gdn_fx.lowering import gdn_fast_common as common
-from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.lowering.facts import ScanFacts, portable_dtype_reason
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
@@ -51,7 +51,7 @@ def _shared_reason(facts: ScanFacts) -> Optional[str]:
     if not facts.qk_l2norm:
         return ("qk_l2norm=False: keys of unbounded norm make the chunk inverse lose f32 "
                 "precision; 'matmul' serves it")
-    return common.dtype_reason(facts)
+    return portable_dtype_reason(facts)
 
 
 def check(facts: ScanFacts, target: Target) -> Optional[str]:

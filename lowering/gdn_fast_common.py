@@ -11,7 +11,6 @@ sequence axis is served by the same text.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
 
 import numpy as np
 from nnef_tools.model import Operation as NOperation
@@ -22,16 +21,7 @@ from gdn_fx.lowering.facts import ScanFacts
 from gdn_fx.lowering.fragments import generated
 from gdn_fx.lowering.nnef_emit import NUMPY, EmitContext, promote
 
-SUPPORTED_DTYPES = ("f16", "f32", "f64")
 L2NORM_EPS = 1e-6  # HF's use_qk_l2norm_in_kernel eps (the op contract's)
-
-
-def dtype_reason(facts: ScanFacts) -> Optional[str]:
-    """Why the operand dtypes rule these candidates out (None: they do not)."""
-    bad = {name: dt for name, dt in facts.dtypes.items() if dt not in SUPPORTED_DTYPES}
-    if bad:
-        return f"dtypes {bad}: tract and torch-to-nnef have no such dtype (use f16 or f32)"
-    return None
 
 
 def work_dtype(facts: ScanFacts) -> str:

@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from gdn_fx.lowering import gdn_fast_common as common
-from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.lowering.facts import ScanFacts, portable_dtype_reason
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
@@ -40,7 +40,7 @@ STEP_INPUTS = ("rows", "qk", "kcol", "v", "beta", "decay")
 
 def check(facts: ScanFacts, target: Target) -> Optional[str]:
     """Why the scan of matmul steps can not serve this node (None: it can)."""
-    return common.dtype_reason(facts)
+    return portable_dtype_reason(facts)
 
 
 def check_step(facts: ScanFacts, target: Target) -> Optional[str]:
@@ -50,7 +50,7 @@ def check_step(facts: ScanFacts, target: Target) -> Optional[str]:
     if facts.seq != 1:
         return "one decode step serves S = 1; node has " + (
             "a symbolic S" if facts.seq is None else f"S={facts.seq}")
-    return common.dtype_reason(facts)
+    return portable_dtype_reason(facts)
 
 
 def _gate_lines(facts: ScanFacts) -> list[str]:

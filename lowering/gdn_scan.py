@@ -16,21 +16,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.lowering.facts import ScanFacts, portable_dtype_reason
 from gdn_fx.lowering.fragments import shipped
 from gdn_fx.lowering.nnef_emit import EmitContext, promote
 from gdn_fx.lowering.target import Target
 
 FRAGMENT = "gdn_fx_scan"
-SUPPORTED_DTYPES = ("f16", "f32", "f64")
 
 
 def check(facts: ScanFacts, target: Target) -> Optional[str]:
     """Why the scan can not serve this node (None: it can)."""
-    bad = {name: dt for name, dt in facts.dtypes.items() if dt not in SUPPORTED_DTYPES}
-    if bad:
-        return f"dtypes {bad}: tract and torch-to-nnef have no such dtype (use f16 or f32)"
-    return None
+    return portable_dtype_reason(facts)
 
 
 def _prepared(ctx: EmitContext, work: str) -> dict:
