@@ -36,6 +36,7 @@ def shape(node: Any) -> Optional[tuple]:
 
 
 def dtype(node: Any) -> Optional[torch.dtype]:
+    """The dtype of a node's tensor value (None for non-tensors)."""
     value = val(node)
     return value.dtype if isinstance(value, torch.Tensor) else None
 
