@@ -94,9 +94,10 @@ def run(job: Job, say: Callable[[str], None] = print) -> Report:
 
     model, name = build_model(job)
     prepare_for_nnef(model)
+    if job.dynamic_seq:  # the model's own rules, swapped for the fused ops by reify
+        return _run_dynamic(job, DecodeStep(model), name, say)
+    # A static multi-token step through the recurrent rule: its unrolled loop collapses.
     step = DecodeStep(model, rule="recurrent" if job.seq_len > 1 else "auto")
-    if job.dynamic_seq:
-        return _run_dynamic(job, step, name, say)
     args = step.example_inputs(seq_len=job.seq_len)
     report = Report(model=f"{name}, {job.dtype}, S={job.seq_len}", expected=step.expected_fusions)
     with _timed(report, "export", say, f"torch.export of the step at S={job.seq_len} "

@@ -69,3 +69,12 @@ def test_cli_export_of_a_family(tmp_path, capsys):
     path = tmp_path / "lfm2.nnef.tgz"
     assert main(["export", "--family", "lfm2", "--out", str(path)]) == 0
     assert path.exists() and "causal_conv1d_update 2/2" in capsys.readouterr().out
+
+
+def test_cli_export_with_a_symbolic_sequence(tmp_path, capsys):
+    path = tmp_path / "qwen.nnef.tgz"
+    assert main(["export", "--family", "qwen3_5", "--seq-len", "8", "--dynamic-seq",
+                 "--out", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "symbolic S (traced at 8)" in out and "gated_delta_scan 3/3" in out
+    assert "tract at S=3:" in out and "tract at S=50:" in out and out.rstrip().endswith("OK")
