@@ -1,10 +1,15 @@
-"""Candidate "portable" for causal_conv1d_update: plain NNEF, one fragment per kernel width.
+"""Candidates "portable" and "depthwise" for causal_conv1d_update: plain NNEF, one fragment per
+(kernel width, bias, activation, form).
 
 With full = cat(state, x) of length K + S, output step t reads full[1 + t : 1 + t + K], so
-``out = sum_j weight[:, j] * full[..., 1 + j : 1 + j + S]`` (tap K - 1 is x itself), then the
-bias and SiLU when the node has them; ``new_state = full[..., -K:]``. No ``conv`` op is used,
-so tract 0.23.9's depthwise-conv miscompile (a constant filter behind an unsqueeze reads the
-wrong weights) can not occur. Slice ends are written from ``tract_core_shape_of(full)``:
+- "portable": ``out = sum_j weight[:, j] * full[..., 1 + j : 1 + j + S]`` (tap K - 1 is x
+  itself): K multiply-adds, no ``conv`` op;
+- "depthwise": NNEF's depthwise ``conv`` of full (no padding; S + 1 outputs, the first
+  dropped), its filter written as ``reshape(weight, [C, 1, K])``: tract 0.23.9 miscompiles a
+  constant filter behind an unsqueeze (channel c reads the wrong weights), not a reshaped one
+  (FACTS.md; lowering/fixes.py relies on the same).
+then the bias and SiLU when the node has them; ``new_state = full[..., -K:]``. At S = 1 the
+multiply-adds are faster, for longer S tract's conv kernel is (bench/bench_conv.py). Slice ends are written from ``tract_core_shape_of(full)``:
 negative ends break on a symbolic S in tract 0.23.9, so every bound is ``n - c`` with n the
 runtime length. Arithmetic runs in the weight's dtype, as the op's kernel does; the output
 takes x's dtype and the new state the state's dtype.
@@ -20,13 +25,23 @@ from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
 def check(facts: ConvFacts, target: Target) -> Optional[str]:
-    """Why the portable form can not serve this node (None: it can)."""
+    """Why the multiply-add form can not serve this node (None: it can)."""
     return portable_dtype_reason(facts)
 
 
-def fragment_name(kernel: int, bias: bool, silu: bool) -> str:
-    """One fragment per (K, bias, activation): e.g. ``gdn_fx_conv_update_k4_bias_silu``."""
-    return f"gdn_fx_conv_update_k{kernel}" + ("_bias" if bias else "") + ("_silu" if silu else "")
+def suits_depthwise(facts: ConvFacts, target: Target) -> Optional[str]:
+    """Why the depthwise-conv form, which can serve every node the multiply-adds can, is not
+    the default for this one (None: it is)."""
+    if facts.seq == 1 and not target.dynamic:
+        return "S = 1: the multiply-add form is faster for one step (bench/bench_conv.py)"
+    return None
+
+
+def fragment_name(kernel: int, bias: bool, silu: bool, depthwise: bool = False) -> str:
+    """One fragment per (K, bias, activation, form): e.g. ``gdn_fx_conv_update_k4_bias_silu``,
+    ``gdn_fx_conv_update_dw_k4_silu``."""
+    return (f"gdn_fx_conv_update{'_dw' if depthwise else ''}_k{kernel}" + ("_bias" if bias else "")
+            + ("_silu" if silu else ""))
 
 
 def _tap(kernel: int, j: int) -> str:
@@ -36,17 +51,33 @@ def _tap(kernel: int, j: int) -> str:
     return f"slice(full, axes = [2], begin = [{1 + j}], end = [n - {kernel - 1 - j}])"
 
 
-def fragment_text(kernel: int, bias: bool, silu: bool) -> str:
-    """The NNEF text of the fragment for one (K, bias, activation)."""
+def _taps_lines(kernel: int) -> list[str]:
+    """``acc`` = the K multiply-adds of the portable form."""
+    lines = []
+    for j in range(kernel):
+        column = f"unsqueeze(slice(weight, axes = [1], begin = [{j}], end = [{j + 1}]), axes = [0])"
+        term = f"mul({_tap(kernel, j)}, {column})"
+        name = "acc" if j == kernel - 1 else f"acc{j}"
+        lines.append(f"{name} = " + (term if j == 0 else f"add(acc{j - 1}, {term})") + ";")
+    return lines
+
+
+def _depthwise_lines(kernel: int) -> list[str]:
+    """``acc`` = the depthwise conv of full (S + 1 outputs), its first output dropped."""
+    return [f"filters = reshape(weight, shape = [-1, 1, {kernel}]);",
+            "conv_all = conv(full, filters, 0.0, border = 'constant', padding = [(0, 0)],"
+            " stride = [1], dilation = [1], groups = 0);",
+            f"acc = slice(conv_all, axes = [2], begin = [1], end = [n - {kernel - 1}]);"]
+
+
+def fragment_text(kernel: int, bias: bool, silu: bool, depthwise: bool = False) -> str:
+    """The NNEF text of the fragment for one (K, bias, activation, form)."""
     params = ["x", "state", "weight"] + (["bias"] if bias else [])
     body = ["full = concat([state, x], axis = 2);",
             "n = squeeze(slice(tract_core_shape_of(full), axes = [0], begin = [2], end = [3]),"
             " axes = [0]);"]
-    for j in range(kernel):
-        column = f"unsqueeze(slice(weight, axes = [1], begin = [{j}], end = [{j + 1}]), axes = [0])"
-        term = f"mul({_tap(kernel, j)}, {column})"
-        body.append(f"acc{j} = " + (term if j == 0 else f"add(acc{j - 1}, {term})") + ";")
-    pre = f"acc{kernel - 1}"
+    body += _depthwise_lines(kernel) if depthwise else _taps_lines(kernel)
+    pre = "acc"
     if bias:
         body.append(f"biased = add({pre}, unsqueeze(bias, axes = [0, 2]));")
         pre = "biased"
@@ -54,12 +85,22 @@ def fragment_text(kernel: int, bias: bool, silu: bool) -> str:
     body.append(f"new_state = slice(full, axes = [2], begin = [n - {kernel}], end = [n]);")
     signature = ", ".join(f"{p}: tensor<scalar>" for p in params)
     lines = "\n".join(f"    {line}" for line in body)
-    return (f"fragment {fragment_name(kernel, bias, silu)}( {signature} )\n"
+    return (f"fragment {fragment_name(kernel, bias, silu, depthwise)}( {signature} )\n"
             f"-> ( out: tensor<scalar>, new_state: tensor<scalar> )\n{{\n{lines}\n}}")
 
 
 def emit(ctx: EmitContext) -> list:
-    """Write the fragment call for one node, with the casts its dtypes need."""
+    """Write the multiply-add form for one node; returns the fragment it needs."""
+    return _emit(ctx, depthwise=False)
+
+
+def emit_depthwise(ctx: EmitContext) -> list:
+    """Write the depthwise-conv form for one node; returns the fragment it needs."""
+    return _emit(ctx, depthwise=True)
+
+
+def _emit(ctx: EmitContext, depthwise: bool) -> list:
+    """The fragment call for one node, with the casts its dtypes need."""
     facts = ctx.facts
     work = facts.dtypes["weight"]
     names = ["x", "conv_state", "weight"] + (["bias"] if facts.has_bias else [])
@@ -67,8 +108,8 @@ def emit(ctx: EmitContext) -> list:
     out = ctx.tensor("out", facts.shapes["x"], work)
     new_state = ctx.tensor("new_state", facts.shapes["conv_state"], work)
     silu = facts.activation == "silu"
-    name = fragment_name(facts.kernel, facts.has_bias, silu)
+    name = fragment_name(facts.kernel, facts.has_bias, silu, depthwise)
     ctx.apply_multi(name, inputs, (out, new_state))
     ctx.finish(0, out, facts.dtypes["x"])
     ctx.finish(1, new_state, facts.dtypes["conv_state"])
-    return [generated(name, fragment_text(facts.kernel, facts.has_bias, silu))]
+    return [generated(name, fragment_text(facts.kernel, facts.has_bias, silu, depthwise))]

@@ -13,8 +13,11 @@ B=1, 16 heads of 128; bench/bench_conv.py: 6144 channels, K=4). By shape class:
   "chunked_unrolled" (chunks written out, shrunk for short S; up to 16 chunks of 64);
 - gated_delta_scan, longer or symbolic S (same conditions): "chunked" (a loop over chunks);
 - gated_delta_scan, KDA gates or qk_l2norm=False: "matmul" (a loop of matmul steps);
-- causal_conv1d_update: "portable" (2.1-2.5x faster than the native operator at S = 1,
-  3.3-3.9x at S = 64).
+- causal_conv1d_update, static S = 1: "portable" (K multiply-adds; 2-3x faster than the
+  native operator and than "depthwise" at S = 1);
+- causal_conv1d_update, longer or symbolic S: "depthwise" (tract's conv kernel; 2-10x faster
+  than "portable", whose time at S = 64 swings between 1.5 and 9 ms from run to run, and ~9x
+  faster than the native operator).
 The native operators (and "scan") stay as fallbacks and can be forced with ``choose``.
 """
 
@@ -38,11 +41,14 @@ Facts = Union[ScanFacts, ConvFacts]
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to write a fused op in NNEF."""
+    """One way to write a fused op in NNEF. ``check``: why it can not serve a node (None: it
+    can). ``suits``: why it is not the measured choice for the node's shape class although it
+    could serve it (skipped by default, still taken when ``choose`` forces it)."""
 
     name: str
     check: Callable[[Facts, Target], Optional[str]]
     emit: Callable
+    suits: Optional[Callable[[Facts, Target], Optional[str]]] = None
 
 
 TABLE: dict[str, tuple[Candidate, ...]] = {
@@ -55,6 +61,8 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
         Candidate("scan", gdn_scan.check, gdn_scan.emit),
     ),
     "causal_conv1d_update": (  # order measured with bench/bench_conv.py (see above)
+        Candidate("depthwise", conv_portable.check, conv_portable.emit_depthwise,
+                  suits=conv_portable.suits_depthwise),
         Candidate("portable", conv_portable.check, conv_portable.emit),
         Candidate("native", conv_native.check, conv_native.emit),
     ),
@@ -110,6 +118,8 @@ def decide(facts: Facts, target: Target, choice: Optional[Choice] = None) -> Dec
             rejected.append(_reject(facts, entry.name, why))
             continue
         reason = entry.check(facts, target)
+        if reason is None and forced is None and entry.suits is not None:
+            reason = entry.suits(facts, target)
         if reason is None:
             decision = Decision(facts.node, facts.op, entry.name, tuple(rejected),
                                 forced is not None)

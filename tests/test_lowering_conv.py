@@ -18,19 +18,28 @@ from lowering_programs import (NATIVE_CONV, ConvModule, conv_inputs, export_chec
 F16, F32 = torch.float16, torch.float32
 
 # name: (channels, K, bias, activation, dtype, S, batch, forced, expected); unforced cases take
-# the table's default, "portable" (first in the table; the native operator is second).
+# the table's default: "depthwise" for S > 1, "portable" at S = 1 (native is last).
 CASES = {
     "silu_f32_native": (6, 4, False, "silu", F32, 4, 2, "native", "native"),
     "silu_f16_native": (6, 4, False, "silu", F16, 1, 1, "native", "native"),
     "silu_k2_native": (5, 2, False, "silu", F32, 3, 2, "native", "native"),
-    "silu_f32_portable": (6, 4, False, "silu", F32, 4, 2, None, "portable"),
-    "silu_f16_portable": (6, 4, False, "silu", F16, 3, 2, None, "portable"),
-    "silu_f16_portable_step": (6, 4, False, "silu", F16, 1, 1, "portable", "portable"),
-    "bias_silu": (6, 4, True, "silu", F32, 4, 2, None, "portable"),
-    "bias_no_activation": (6, 3, True, None, F32, 5, 2, None, "portable"),
+    "silu_f32_depthwise": (6, 4, False, "silu", F32, 4, 2, None, "depthwise"),
+    "silu_f16_depthwise": (6, 4, False, "silu", F16, 3, 2, None, "depthwise"),
+    "silu_f32_portable": (6, 4, False, "silu", F32, 4, 2, "portable", "portable"),
+    "silu_f16_portable": (6, 4, False, "silu", F16, 3, 2, "portable", "portable"),
+    "silu_f16_portable_step": (6, 4, False, "silu", F16, 1, 1, None, "portable"),
+    "bias_silu": (6, 4, True, "silu", F32, 4, 2, None, "depthwise"),
+    "bias_silu_portable": (6, 4, True, "silu", F32, 4, 2, "portable", "portable"),
+    "bias_no_activation": (6, 3, True, None, F32, 5, 2, None, "depthwise"),
+    "bias_no_activation_portable": (6, 3, True, None, F32, 5, 2, "portable", "portable"),
     "no_activation": (7, 4, False, None, F32, 1, 1, None, "portable"),
-    "wide_kernel": (4, 6, False, "silu", F32, 2, 2, None, "portable"),
-    "kernel_one": (4, 1, True, "silu", F32, 3, 1, None, "portable"),
+    "no_activation_depthwise": (7, 4, False, None, F32, 2, 1, None, "depthwise"),
+    "depthwise_step": (7, 4, False, None, F32, 1, 1, "depthwise", "depthwise"),
+    "wide_kernel": (4, 6, False, "silu", F32, 2, 2, None, "depthwise"),
+    "wide_kernel_portable": (4, 6, False, "silu", F32, 2, 2, "portable", "portable"),
+    "kernel_one": (4, 1, True, "silu", F32, 3, 1, None, "depthwise"),
+    "kernel_one_portable": (4, 1, True, "silu", F32, 3, 1, "portable", "portable"),
+    "long_many_channels": (96, 4, False, "silu", F32, 64, 1, None, "depthwise"),
 }
 
 
@@ -45,11 +54,11 @@ def test_conv_runs_in_tract(case, tmp_path):
     print(f"{case}: emitted {decisions}; {comparison}")
     assert list(decisions.values()) == [expected]
     assert (NATIVE_CONV in text) == (expected == "native")
-    assert " conv(" not in text  # the portable form never uses conv (0.23.9 miscompile)
+    assert (" conv(" in text) == (expected == "depthwise")
     assert comparison.ok, comparison
 
 
-@pytest.mark.parametrize("forced", ["native", "portable"])
+@pytest.mark.parametrize("forced", ["native", "portable", "depthwise"])
 def test_conv_matches_transformers(forced, tmp_path):
     """Independent oracle: HF's own causal_conv1d_update (which mutates its state)."""
     channels, kernel = 8, 4
@@ -69,5 +78,5 @@ def test_mixed_dtypes_follow_the_contract(tmp_path):
     module = ConvModule(6, 4, True, "silu", F16)
     args = conv_inputs(2, 6, 4, 4, F32)
     decisions, comparison, _ = export_checked(module, args, tmp_path / "mixed.nnef", 1e-3)
-    assert list(decisions.values()) == ["portable"]
+    assert list(decisions.values()) == ["depthwise"]
     assert comparison.ok, comparison

@@ -45,7 +45,7 @@ def test_scan_symbolic_sequence(candidate, tmp_path):
     print(_check_lengths(written, module, lambda s: scan_inputs(s=s, seed=s, **shape)))
 
 
-@pytest.mark.parametrize("candidate", ["native", "portable"])
+@pytest.mark.parametrize("candidate", ["native", "portable", "depthwise"])
 def test_conv_symbolic_sequence(candidate, tmp_path):
     module = ConvModule(6, 4, False, "silu")
     program = torch.export.export(module, conv_inputs(2, 6, 4, 4))

@@ -52,8 +52,8 @@ with torch.inference_mode():
                                    discover_extra_entrypoints=True)
 assert "gdn_fx.lowering.t2n_plugin" in sys.modules
 text = tract_check.nnef_text(written)
-# "auto": the handler decides by the table; f32 K=4 takes the portable form (first in it)
-assert "gdn_fx_conv_update_k4_silu" in text, text
+# "auto": the handler decides by the table; f32 K=4 at S=3 takes the depthwise-conv form
+assert "gdn_fx_conv_update_dw_k4_silu" in text, text
 assert "tract_transformers_causal_conv1d_update" not in text
 comparison = tract_check.compare(written, Direct()(*args), args)
 assert comparison.ok, comparison

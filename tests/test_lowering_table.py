@@ -53,10 +53,10 @@ F16_STATE = dict(DECODE_F16, initial_state="f16")
 
 # The table order, written out here (not read from the code under test).
 GDN_ORDER = ("matmul_step", "chunked_unrolled", "chunked", "matmul", "native", "scan")
-CONV_ORDER = ("portable", "native")
+CONV_ORDER = ("depthwise", "portable", "native")
 FAST = ["matmul_step", "chunked_unrolled", "chunked", "matmul"]
 ONLY_NATIVE_OR_SCAN = Choice.parse({"forbid": FAST})
-ONLY_NATIVE_CONV = Choice.parse({"forbid": ["portable"]})
+ONLY_NATIVE_CONV = Choice.parse({"forbid": ["depthwise", "portable"]})
 
 SCAN_TABLE = [
     # (tract version, dynamic axes, facts, default candidate, candidate among native/scan)
@@ -124,15 +124,16 @@ def test_scan_native_or_scan_table(version, dynamic, facts, expected, fallback):
 
 CONV_TABLE = [
     # (tract version, dynamic axes, facts, default candidate, native's answer: "native" or None
-    # for a rejection). The default is "portable" for every f16/f32/f64 node.
+    # for a rejection). The default for every f16/f32/f64 node: "portable" for a static S = 1,
+    # "depthwise" otherwise (a longer or symbolic S).
     ("0.23.4", False, conv(), "portable", None),
     ("0.23.5", False, conv(), "portable", "native"),  # first form: f16, K=4, one step, batch 1
     ("0.23.5", False, conv(dtype="f32"), "portable", None),
     ("0.23.5", False, conv(k=3), "portable", None),
-    ("0.23.5", False, conv(s=2), "portable", None),
+    ("0.23.5", False, conv(s=2), "depthwise", None),
     ("0.23.5", False, conv(b=2), "portable", None),
-    ("0.23.5", True, conv(), "portable", None),
-    ("0.23.9", True, conv(b=2, s=9, k=3, dtype="f32"), "portable", "native"),
+    ("0.23.5", True, conv(), "depthwise", None),
+    ("0.23.9", True, conv(b=2, s=9, k=3, dtype="f32"), "depthwise", "native"),
     ("0.23.9", False, conv(k=2), "portable", "native"),
     ("0.23.9", False, conv(k=5), "portable", "native"),
     ("0.23.9", False, conv(k=6), "portable", None),
@@ -141,7 +142,7 @@ CONV_TABLE = [
     ("0.23.9", False, conv(act=None), "portable", None),
     ("0.23.9", False, conv(dtypes=dict(weight="f32")), "portable", None),
     ("0.23.9", False, conv(dtype="f64"), "portable", None),
-    ("0.23.9", False, conv(s=64, c=6144, dtype="f32"), "portable", "native"),  # Qwen3.5 prefill
+    ("0.23.9", False, conv(s=64, c=6144, dtype="f32"), "depthwise", "native"),  # Qwen3.5 prefill
     ("0.23.9", False, conv(dtype="bf16"), None, None),  # no bf16 in tract
 ]
 
@@ -149,7 +150,7 @@ CONV_TABLE = [
 @pytest.mark.parametrize("version, dynamic, facts, expected, native", CONV_TABLE)
 def test_conv_candidate_table(version, dynamic, facts, expected, native):
     if expected is None:
-        with pytest.raises(LoweringUnsupported, match="portable: .*native: "):
+        with pytest.raises(LoweringUnsupported, match="depthwise: .*portable: .*native: "):
             decide(facts, target(version, dynamic))
         return
     decision = decide(facts, target(version, dynamic))
@@ -265,3 +266,12 @@ def test_native_reject_reason_reads_head_major_operands():
     assert reason is not None and "S=2" in reason
     assert "has no" in native_gdn_reject_reason("0.23.4", _nnef_operands(seq_major, dtypes),
                                                  False)
+
+
+def test_a_shape_class_preference_yields_to_choose():
+    """depthwise can serve S = 1 but is not the measured default there; forcing it works."""
+    facts = conv(s=1, dtype="f32")
+    decision = decide(facts, target("0.23.9"))
+    assert decision.candidate == "portable" and "S = 1" in dict(decision.rejected)["depthwise"]
+    forced = decide(facts, target("0.23.9"), Choice.parse({"*": "depthwise"}))
+    assert forced.candidate == "depthwise" and forced.forced
