@@ -9,10 +9,11 @@ With full = cat(state, x) of length K + S, output step t reads full[1 + t : 1 + 
   constant filter behind an unsqueeze (channel c reads the wrong weights), not a reshaped one
   (FACTS.md; lowering/fixes.py relies on the same).
 then the bias and SiLU when the node has them; ``new_state = full[..., -K:]``. At S = 1 the
-multiply-adds are faster, for longer S tract's conv kernel is (bench/bench_conv.py). Slice ends are written from ``tract_core_shape_of(full)``:
-negative ends break on a symbolic S in tract 0.23.9, so every bound is ``n - c`` with n the
-runtime length. Arithmetic runs in the weight's dtype, as the op's kernel does; the output
-takes x's dtype and the new state the state's dtype.
+multiply-adds are faster, for longer S tract's conv kernel is (bench/bench_conv.py). Slice
+ends are written from ``tract_core_shape_of(full)``: negative ends break on a symbolic S in
+tract 0.23.9, so every bound is ``n - c`` with n the runtime length. Arithmetic runs in the
+weight's dtype, as the op's kernel does; the output takes x's dtype and the new state the
+state's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gdn_fx.lowering.facts import ConvFacts, portable_dtype_reason
 from gdn_fx.lowering.fragments import generated
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
+
 
 def check(facts: ConvFacts, target: Target) -> Optional[str]:
     """Why the multiply-add form can not serve this node (None: it can)."""
