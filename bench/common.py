@@ -37,8 +37,34 @@ CORE_OUTPUTS = ["out", "state"]
 
 # --- command line and headers ---------------------------------------------------------------
 
+def pin_allocator() -> str:
+    """Keep glibc from returning large blocks to the kernel between calls, for this process.
+
+    By default glibc serves blocks past a moving threshold with fresh mmaps, so a call that
+    allocates big temporaries page-faults them in again, by an amount that depends on the
+    process's history: torch's eager chunk rule (S = 500) ran at a median 62-65 ms in some
+    processes and 79-91 ms in others. Pinned, both engines reuse their memory and figures
+    repeat between runs (torch at its fastest: the comparisons are conservative)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mmap_threshold, trim_threshold, one_gib = -3, -1, 1 << 30
+        done = libc.mallopt(mmap_threshold, one_gib) and libc.mallopt(trim_threshold, one_gib)
+    except (OSError, AttributeError):
+        done = 0
+    return "glibc mmap/trim thresholds pinned at 1 GiB" if done else "allocator as found"
+
+
+ALLOCATOR = "allocator as found"
+
+
 def parser(description: str) -> argparse.ArgumentParser:
-    """The options every benchmark script takes (--quick, --rounds, --workdir)."""
+    """The options every benchmark script takes (--quick, --rounds, --workdir); pins the
+    allocator (see ``pin_allocator``) since every script builds one."""
+    global ALLOCATOR
+    ALLOCATOR = pin_allocator()
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: small sizes, 1-2 rounds")
@@ -95,7 +121,7 @@ def header(title: str, measured: str) -> str:
         "",
         f"Measured: {measured}",
         f"Machine: nproc {os.cpu_count()}, torch threads {torch.get_num_threads()}, "
-        f"load average {load}; {versions()}",
+        f"load average {load}; {ALLOCATOR}; {versions()}",
         f"Command: `{command_line()}`",
         "",
     ])
@@ -371,8 +397,21 @@ def numpy_inputs(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
 
 
 def tract_call(runnable, arrays: list[np.ndarray]) -> Callable[[], object]:
-    """A no-argument call running ``runnable`` on fixed inputs (the timed unit)."""
-    return lambda: runnable.run(arrays)
+    """A no-argument call running ``runnable`` on fixed inputs (the timed unit), as an
+    application runs a model: one State kept across calls, inputs already tract tensors.
+    (``runnable.run(numpy)`` would also time a new State and a numpy-to-tract copy of every
+    input per call: ~0.15 ms, a fifth of a decode step.) The kept State must answer exactly as a
+    fresh one, twice: else it is refused here, so what is timed is what was verified."""
+    import tract
+
+    tensors = [tract.Tensor.from_numpy(a) for a in arrays]
+    state = runnable.spawn_state()
+    fresh = [t.to_numpy() for t in runnable.run(arrays)]
+    for _ in range(2):
+        kept = [t.to_numpy() for t in state.run(tensors)]
+        if not all(np.array_equal(a, b, equal_nan=True) for a, b in zip(kept, fresh)):
+            raise RuntimeError("a tract State run twice differs from a fresh run")
+    return lambda: state.run(tensors)
 
 
 def rel_error(runnable, arrays: list[np.ndarray], want: Sequence[torch.Tensor]) -> float:
