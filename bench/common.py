@@ -42,9 +42,9 @@ def pin_allocator() -> str:
 
     By default glibc serves blocks past a moving threshold with fresh mmaps, so a call that
     allocates big temporaries page-faults them in again, by an amount that depends on the
-    process's history: torch's eager chunk rule (S = 500) ran at a median 62-65 ms in some
-    processes and 79-91 ms in others. Pinned, both engines reuse their memory and figures
-    repeat between runs (torch at its fastest: the comparisons are conservative)."""
+    process's history: torch's eager chunk rule (S = 500) ran at a median of 62-67 ms in four
+    processes and 72-91 ms in three others. Pinned (53-70 ms in eight, none as slow), both
+    engines reuse their memory (torch at its fastest: the comparisons are conservative)."""
     import ctypes
     import ctypes.util
 
@@ -57,14 +57,12 @@ def pin_allocator() -> str:
     return "glibc mmap/trim thresholds pinned at 1 GiB" if done else "allocator as found"
 
 
-ALLOCATOR = "allocator as found"
+# Every benchmark script imports this module: its process is pinned from the start.
+ALLOCATOR = pin_allocator()
 
 
 def parser(description: str) -> argparse.ArgumentParser:
-    """The options every benchmark script takes (--quick, --rounds, --workdir); pins the
-    allocator (see ``pin_allocator``) since every script builds one."""
-    global ALLOCATOR
-    ALLOCATOR = pin_allocator()
+    """The options every benchmark script takes (--quick, --rounds, --workdir)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: small sizes, 1-2 rounds")

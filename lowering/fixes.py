@@ -386,8 +386,6 @@ def unit_step_slice_scatters(module: fx.GraphModule) -> int:
     return count
 
 
-# In order: refusals first (fail before any work), then fixes that remove nodes, then the
-# dtype fixes (typed_factories must also see the zeros empty_reshapes_as_constants makes).
 # --- tract miscompiles -----------------------------------------------------------------
 
 _CONVS = {aten.convolution.default, aten.conv1d.default, aten.conv1d.padding}
@@ -419,9 +417,11 @@ def reshaped_depthwise_filters(module: fx.GraphModule) -> int:
     return count
 
 
+# In order: refusals first (fail before any work), then fixes that remove nodes, then the
+# dtype fixes (typed_factories must also see the zeros empty_reshapes_as_constants makes).
 FIXES: tuple[Fix, ...] = (
-    reshaped_depthwise_filters,
-    refuse_boolean_mask_indexing, empty_reshapes_as_constants, typed_factories,
+    refuse_boolean_mask_indexing, reshaped_depthwise_filters, empty_reshapes_as_constants,
+    typed_factories,
     positive_scatter_dims, float_attention_masks,
     unit_step_slice_scatters, respell, sorted_topk, scatter_values_as_tensors, precise_sigmoids,
 )
