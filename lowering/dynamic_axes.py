@@ -18,15 +18,25 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from gdn_fx.errors import ExportRefused
 from gdn_fx.lowering.facts import static_dim
 
+ATEN = torch.ops.aten
+
 
 class _Recording(fx.Interpreter):
-    """An interpreter that remembers the node it is running (to name the one that fails)."""
+    """An interpreter that remembers the node it is running (to name the one that fails) and
+    the shape of every tensor it read or made."""
 
     current: Optional[fx.Node] = None
 
+    def __init__(self, module: fx.GraphModule):
+        super().__init__(module)
+        self.shapes: dict = {}
+
     def run_node(self, n: fx.Node):
         self.current = n
-        return super().run_node(n)
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor):
+            self.shapes[n] = tuple(result.shape)
+        return result
 
 
 def _axes(spec) -> dict:
@@ -51,14 +61,21 @@ def _frozen_extents(module: fx.GraphModule, dynamic_axes: Mapping,
     return frozen
 
 
+def frozen_axes(module: fx.GraphModule, dynamic_axes: Optional[Mapping],
+                names: Sequence[str]) -> list[tuple[str, int]]:
+    """(input name, axis) of each requested dynamic axis the program holds static."""
+    return [(name, axis) for axes in _frozen_extents(module, dynamic_axes or {}, names).values()
+            for name, _, axis, _ in axes]
+
+
 def _hint(dim) -> int:
     extent = static_dim(dim)
     return extent if extent is not None else int(dim.node.hint)
 
 
-def _fails_at(module: fx.GraphModule, extents: dict) -> Optional[tuple[str, str]]:
-    """(node name, error) of the first node that fails with the placeholders' given axes
-    changed (``{(placeholder, axis): extent}``), run on fake tensors; None if all run."""
+def _run_at(module: fx.GraphModule, extents: dict) -> tuple[Optional[tuple[str, str]], dict]:
+    """Run on fake tensors with the placeholders' given axes changed (``{(placeholder, axis):
+    extent}``): ((node name, error) of the first node that fails, or None; node shapes)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs = []
     for node in (n for n in module.graph.nodes if n.op == "placeholder"):
@@ -73,7 +90,57 @@ def _fails_at(module: fx.GraphModule, extents: dict) -> Optional[tuple[str, str]
             runner.run(*inputs)
     except Exception as error:  # noqa: BLE001 (any failure means "does not compute there")
         where = runner.current.name if runner.current is not None else "?"
-        return where, str(error).strip().splitlines()[0]
+        return (where, str(error).strip().splitlines()[0]), runner.shapes
+    return None, runner.shapes
+
+
+END = 2 ** 62  # slice ends at or beyond this mean "to the end"
+POSITIONAL = (ATEN.select.int, ATEN.select_scatter.default, ATEN.slice.Tensor,
+              ATEN.slice_scatter.default, ATEN.unbind.int, ATEN.split.Tensor,
+              ATEN.split_with_sizes.default, ATEN.narrow.default)
+
+
+def _literal_position(node: fx.Node) -> Optional[tuple[int, str]]:
+    """(axis, what) when ``node`` reads or writes its input at a position counted from the
+    start along an axis (a select at t >= 0, a slice ending at a fixed index, an unbind or
+    split into a fixed number of pieces), else None."""
+    target, args = node.target, node.args
+    value = node.args[0].meta.get("val")
+    if target not in POSITIONAL or not isinstance(value, torch.Tensor):
+        return None
+    rank = value.dim()
+    if target in (ATEN.select.int, ATEN.select_scatter.default):
+        dim, index = (args[1], args[2]) if target is ATEN.select.int else (args[2], args[3])
+        if isinstance(index, int) and index >= 0:
+            return dim % rank, f"position {index}"
+    elif target in (ATEN.slice.Tensor, ATEN.slice_scatter.default):
+        rest = list(args[1:]) if target is ATEN.slice.Tensor else list(args[2:])
+        dim, _, end = (rest + [0, None, None])[:3]
+        if isinstance(end, int) and 0 <= end < END:
+            return dim % rank, f"a slice ending at {end}"
+    elif target in (ATEN.unbind.int, ATEN.split.Tensor, ATEN.split_with_sizes.default,
+                    ATEN.narrow.default):
+        dim = args[1] if target in (ATEN.unbind.int, ATEN.narrow.default) else (
+            args[2] if len(args) > 2 else 0)
+        return dim % rank, "a fixed number of pieces"
+    return None
+
+
+def _positional_reads(module: fx.GraphModule, grown: dict) -> Optional[tuple[fx.Node, str]]:
+    """The first node that reads an axis whose extent follows the dynamic axis at a position
+    counted from its start: an unrolled loop (recognized or not) walks such an axis with
+    literal indices and would silently ignore the positions it never names."""
+    for node in module.graph.nodes:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        found = _literal_position(node)
+        source = node.args[0]
+        if found is None or source not in grown or "val" not in source.meta:
+            continue
+        axis, what = found
+        traced = [_hint(d) for d in source.meta["val"].shape]
+        if grown[source][axis] != traced[axis]:
+            return node, f"{what} of axis {axis} of {source.name} (traced extent {traced[axis]})"
     return None
 
 
@@ -84,12 +151,22 @@ def refuse_frozen_axes(module: fx.GraphModule, dynamic_axes: Optional[Mapping],
     ``names`` are the NNEF input names, in placeholder order. Each requested axis the program
     holds static is tried at two other extents on fake tensors (all axes sharing a symbol
     change together); the first node that fails is named. Unrolled recurrences, which do not
-    fail but ignore the extra steps, are export_nnef's find_unrolled check.
+    fail but ignore the extra steps, are refused by structure: a node that reads an axis
+    following the dynamic one at a position counted from its start (whatever computes it).
     """
     for symbol, axes in _frozen_extents(module, dynamic_axes or {}, names).items():
         for grow in (1, axes[0][3] + 3):
             changed = {(node, axis): extent + grow for _, node, axis, extent in axes}
-            failure = _fails_at(module, changed)
+            failure, shapes = _run_at(module, changed)
+            positional = _positional_reads(module, shapes) if failure is None else None
+            if positional is not None:
+                name, _, axis, extent = axes[0]
+                raise ExportRefused(
+                    f"dynamic axis {axis} ('{symbol}') of input '{name}': node "
+                    f"'{positional[0].name}' reads {positional[1]}, a position fixed at the "
+                    "traced length (an unrolled loop?): at other lengths the NNEF would "
+                    "ignore the positions it never names. Collapse the loop "
+                    "(gdn_fx.collapse) or export with a dynamic dim")
             if failure is not None:
                 name, _, axis, extent = axes[0]
                 raise ExportRefused(

@@ -9,38 +9,46 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import fx
 
 from gdn_fx.passes.conv_update import collapse_conv_updates, find_conv_updates
 from gdn_fx.passes.gdn_chunk import collapse_chunked, find_chunked
+from gdn_fx.passes.leftover_loops import leftover_loops
 from gdn_fx.passes.gdn_recurrent import collapse_recurrences, find_unrolled as _unrolled_steps
 from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.result import CollapseResult, Miss
+from gdn_fx.passes.validate import Validator, compare_programs
 
-# Rules that read a graph and return a rebuilt one: (count key, rule(graph) -> (graph, n, misses)).
-# They run first, on the original graph, since unrolled loops are most of it.
-GRAPH_RULES = (
+# Every rule reads a graph and returns a new one: rule(graph, only) -> (graph, keys, misses)
+# (validate.Rule). The loop rules run first, on the original graph, since unrolled loops are
+# most of it; the conv rule copies what is left.
+RULES = (
     ("gated_delta_scan", collapse_recurrences),
     ("gated_delta_scan", collapse_chunked),
-)
-# Rules that rewrite the (already rebuilt, private) GraphModule in place: rule(gm) -> (n, misses).
-MODULE_RULES = (
     ("causal_conv1d_update", collapse_conv_updates),
 )
 
 
-def collapse(program: Any, *, inplace: bool = False) -> CollapseResult:
+def collapse(program: Any, *, inplace: bool = False, verify: bool = True,
+             example_inputs: Optional[tuple] = None) -> CollapseResult:
     """Collapse every unrolled GDN/KDA recurrence and conv update in ``program``.
 
     ``program`` is a torch.export.ExportedProgram or a torch.fx.GraphModule whose nodes carry
     meta['val'] (as torch.export and make_fx leave them). The result's ``program`` has the same
     kind; the input is left untouched unless ``inplace``.
+
+    ``verify`` (on by default) is translation validation: the rewritten program and the
+    original run on the same random inputs and every output, input and buffer after the run
+    must agree; a fusion that disagrees is not made and leaves a near-miss (validate.py).
+    Integer inputs (token ids, positions) are taken from ``example_inputs`` (the program's
+    call arguments; an ExportedProgram's own by default), zeros otherwise. ``verify=False``
+    trusts the rules' structural checks alone.
     """
     with _cyclic_gc_paused():
-        return _collapse(program, inplace)
+        return _collapse(program, inplace, verify, example_inputs)
 
 
 @contextlib.contextmanager
@@ -57,20 +65,23 @@ def _cyclic_gc_paused():
             gc.enable()
 
 
-def _collapse(program: Any, inplace: bool) -> CollapseResult:
+def _collapse(program: Any, inplace: bool, verify: bool, example_inputs) -> CollapseResult:
     gm, ep = graph_module_of(program)
+    validator = Validator(gm, ep, example_inputs) if verify else None
     graph, counts, misses = gm.graph, {}, []
-    for name, rule in GRAPH_RULES:
-        graph, count, found = rule(graph)
-        counts[name] = counts.get(name, 0) + count
+    for name, rule in RULES:
+        new, keys, found = rule(graph, None)
         misses.extend(found)
+        if validator is not None and keys:
+            new, keys, rejected = validator.settle(rule, name, graph, new, keys)
+            misses.extend(rejected)
+        counts[name] = counts.get(name, 0) + len(keys)
+        graph = new
+    misses.extend(leftover_loops(graph, "gated_delta_scan"))
     if inplace:
         gm.graph = graph
     else:
         gm = fx.GraphModule(gm, graph)
-    for name, rule in MODULE_RULES:
-        counts[name], found = rule(gm)
-        misses.extend(found)
     finish(gm)
     if ep is not None:
         ep = _sync_export(ep, gm, inplace)
@@ -99,4 +110,4 @@ def _sync_export(ep: torch.export.ExportedProgram, gm: fx.GraphModule, inplace: 
         example_inputs=ep.example_inputs, constants=ep.constants, verifiers=ep.verifiers)
 
 
-__all__ = ["CollapseResult", "Miss", "collapse", "find_unrolled"]
+__all__ = ["CollapseResult", "Miss", "collapse", "compare_programs", "find_unrolled"]

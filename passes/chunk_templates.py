@@ -21,6 +21,8 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.match import Pattern
+from gdn_fx.passes.result import NoMatch
+from gdn_fx.reference import recurrent_delta_rule_reference
 
 ATEN = torch.ops.aten
 PADS = (ATEN.pad.default, ATEN.constant_pad_nd.default)
@@ -39,8 +41,9 @@ def _kimi_chunk() -> Callable:
     return chunk_kimi_delta_attention
 
 
-# kind -> (function, whether the function scales q itself after the cut)
-SOURCES = {"gdn": (_qwen_chunk, False), "kda": (_kimi_chunk, True)}
+# kind -> the installed transformers' chunked rule. Whether it scales q itself after the pad
+# (inside the cut template) differs across kinds and versions: ``template_scale`` measures it.
+SOURCES = {"gdn": _qwen_chunk, "kda": _kimi_chunk}
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class _Rule(torch.nn.Module):
 @functools.cache
 def chunk_template(shape: ChunkShape, form: str) -> Pattern:
     """The template for ``shape``, traced in ``form`` ("training", "functional" or "core")."""
-    fn = SOURCES[shape.kind][0]()
+    fn = SOURCES[shape.kind]()
     ep = torch.export.export(_Rule(fn, shape.chunk), shape.example())
     if form == "functional":
         ep = ep.run_decompositions({})
@@ -87,9 +90,46 @@ def chunk_template(shape: ChunkShape, form: str) -> Pattern:
     return Pattern(f"chunk_{shape.kind}", graph, outputs, anchor="out")
 
 
-def scales_q_inside(kind: str) -> bool:
-    """Whether the cut template multiplies q by Dk ** -0.5 itself (KDA scales after padding)."""
-    return SOURCES[kind][1]
+@functools.cache
+def template_scale(shape: ChunkShape) -> float:
+    """The factor the cut template applies to q itself, measured by running it: 1.0 (the
+    function scales q before padding, in the prologue) or Dk ** -0.5 (after padding: KDA, and
+    GDN in transformers 5.10). Raises NoMatch when the template computes neither."""
+    graph = chunk_template(shape, "training").graph
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, g, beta, s0 = _probe(shape, generator)
+    out, final = module(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        g.transpose(1, 2), beta.transpose(1, 2), s0)
+    errors = {}
+    for scale in (1.0, shape.dk ** -0.5):
+        want, want_final = recurrent_delta_rule_reference(
+            q.double(), k.double(), v.double(), g.double(), beta.double(), scale=scale,
+            initial_state=s0.double())
+        errors[scale] = max(_rel(out.transpose(1, 2), want), _rel(final, want_final))
+    scale, error = min(errors.items(), key=lambda item: item[1])
+    if error > 1e-4:
+        raise NoMatch(f"the installed transformers' {shape.kind} chunk rule does not compute the "
+                      f"delta rule at any q scale (relative errors {sorted(errors.values())})")
+    return scale
+
+
+def _probe(shape: ChunkShape, generator: torch.Generator) -> tuple:
+    """Time-major inputs on which the delta rule is well conditioned (unit-norm keys)."""
+    b, h, t, dk, dv = shape.batch, shape.heads, shape.length, shape.dk, shape.dv
+    gate = (b, t, h, dk) if shape.kind == "kda" else (b, t, h)
+
+    def unit(*dims):
+        x = torch.randn(*dims, generator=generator)
+        return x / x.norm(dim=-1, keepdim=True)
+
+    return (unit(b, t, h, dk), unit(b, t, h, dk), torch.randn(b, t, h, dv, generator=generator),
+            -0.5 * torch.rand(gate, generator=generator), torch.rand(b, t, h, generator=generator),
+            torch.randn(b, h, dk, dv, generator=generator))
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
 def _cut(graph: fx.Graph) -> dict:

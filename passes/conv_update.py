@@ -20,6 +20,7 @@ last K samples of the padded x.
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -70,21 +71,28 @@ class Plan:
     hoist: list = field(default_factory=list)  # pure operand nodes to move before ``first``
 
 
-def collapse_conv_updates(gm: fx.GraphModule) -> tuple[int, list[Miss]]:
-    """Fuse every causal conv1d update in ``gm``; return (fusions, near-misses)."""
-    fused, misses = 0, []
+def collapse_conv_updates(graph: fx.Graph, only: Optional[set] = None
+                          ) -> tuple[fx.Graph, list[str], list[Miss]]:
+    """Fuse every causal conv1d update (those keyed in ``only``, when given); return (new
+    graph, keys of the fusions made, near-misses). A key names the conv node.
+
+    ``graph`` is not modified: the rewrite works on a copy (small by now: the rule runs after
+    the loops have been collapsed).
+    """
+    graph = copy.deepcopy(graph)
+    fused, misses = [], []
     mode = None
-    for node in conv_nodes(gm.graph):
+    for node in conv_nodes(graph):
         try:
-            plan = _plan(node, _order(gm.graph))
+            plan = _plan(node, _order(graph))
         except NoMatch as err:
             misses.append(Miss(NAME, err.reason, node=err.node))
             continue
-        if plan is not None:
-            mode = mode or fake_mode_of(gm.graph)
-            _rewrite(gm.graph, plan, mode)
-            fused += 1
-    return fused, misses
+        if plan is not None and (only is None or node.name in only):
+            mode = mode or fake_mode_of(graph)
+            _rewrite(graph, plan, mode)
+            fused.append(node.name)
+    return graph, fused, misses
 
 
 def find_conv_updates(gm: Union[fx.GraphModule, fx.Graph]) -> list[str]:

@@ -13,11 +13,12 @@ where the graph writes in place, the same order of operations.
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 from torch import fx
 
-from gdn_fx.passes.chunk_templates import PADS, ChunkShape, chunk_template, scales_q_inside
+from gdn_fx.passes.chunk_templates import PADS, ChunkShape, chunk_template, template_scale
 from gdn_fx.passes.match import Match, match_at, op_name, order_problem, outside_users
 from gdn_fx.passes.operands import scan_operands
 from gdn_fx.passes.program import fake_mode_of, shape
@@ -31,8 +32,11 @@ FORMS = ("training", "functional", "core")
 RESHAPES = (ATEN.reshape.default, ATEN.view.default, ATEN._unsafe_view.default)
 
 
-def collapse_chunked(graph: fx.Graph) -> tuple[fx.Graph, int, list[Miss]]:
-    """Fuse every chunked gated-delta computation; return (new graph, fusions, near-misses)."""
+def collapse_chunked(graph: fx.Graph, only: Optional[set] = None
+                     ) -> tuple[fx.Graph, list[str], list[Miss]]:
+    """Fuse every chunked gated-delta computation (those keyed in ``only``, when given);
+    return (new graph, keys of the fusions made, near-misses). A key names the region's
+    output node."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     fusions, misses, mode = [], [], None
     for cumsum in [n for n in graph.nodes if n.target is ATEN.cumsum.default]:
@@ -41,13 +45,13 @@ def collapse_chunked(graph: fx.Graph) -> tuple[fx.Graph, int, list[Miss]]:
             continue
         try:
             region, ops = _find(graph, shapes, order, cumsum)
+            mode = mode or fake_mode_of(graph)
+            if only is None or region.meta_source.name in only:
+                fusions.append(plan_scan(region, ops, order, mode))
         except NoMatch as err:
             misses.append(Miss(NAME, f"chunked form: {err.reason}", node=err.node))
-            continue
-        mode = mode or fake_mode_of(graph)
-        fusions.append(plan_scan(region, ops, order, mode))
     new = rebuild(graph, fusions) if fusions else copy.deepcopy(graph)
-    return new, len(fusions), misses
+    return new, [f.key for f in fusions], misses
 
 
 def find_chunked(graph: fx.Graph) -> list[str]:
@@ -144,7 +148,8 @@ def _region(template, anchor: fx.Node, chunk_shape: ChunkShape, order: dict):
     if problem:
         raise NoMatch(problem, node=anchor)
     sources = {name: match.bound(name) for name in ("q", "k", "v", "g", "beta")}
-    scale = chunk_shape.dk ** -0.5 if scales_q_inside(chunk_shape.kind) else None
+    inside = template_scale(chunk_shape)  # what the installed function does, measured
+    scale = None if inside == 1.0 else inside
     ops = scan_operands(sources, match.bound("state"), head_major=True, scale=scale)
     region = ScanRegion(set(match.computed()), match.out("out"), 2, final, anchor)
     check_dtypes(region, ops)

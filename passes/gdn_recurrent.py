@@ -13,6 +13,7 @@ outputs are gathered by a recognized write (loop_outputs.py); dtypes agree with 
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 from torch import fx
 
@@ -29,8 +30,10 @@ from gdn_fx.passes.steps import (SOURCES, Step, chains, check_chain, find_steps,
 NAME = "gated_delta_scan"
 
 
-def collapse_recurrences(graph: fx.Graph) -> tuple[fx.Graph, int, list[Miss]]:
-    """Fuse every whole unrolled loop; return (new graph, fusions, near-misses).
+def collapse_recurrences(graph: fx.Graph, only: Optional[set] = None
+                         ) -> tuple[fx.Graph, list[str], list[Miss]]:
+    """Fuse every whole unrolled loop (those keyed in ``only``, when given); return (new graph,
+    keys of the fusions made, near-misses). A key names the region's first step output.
 
     ``graph`` is read, never modified: the result is rebuilt from the surviving nodes.
     """
@@ -48,12 +51,12 @@ def collapse_recurrences(graph: fx.Graph) -> tuple[fx.Graph, int, list[Miss]]:
             operands = scan_operands({n: head.source(n) for n in SOURCES}, head.state_in,
                                      head_major=TIME_AXIS[head.kind] == 2)
             check_dtypes(region, operands)
+            if only is None or region.meta_source.name in only:
+                fusions.append(plan_scan(region, operands, order, mode))
         except NoMatch as err:
             misses.append(_miss(err, err.step, time_length(chain[0])))
-            continue
-        fusions.append(plan_scan(region, operands, order, mode))
     new = rebuild(graph, fusions) if fusions else copy.deepcopy(graph)
-    return new, len(fusions), misses
+    return new, [f.key for f in fusions], misses
 
 
 def find_unrolled(graph: fx.Graph) -> list[str]:

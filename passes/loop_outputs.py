@@ -21,6 +21,7 @@ from gdn_fx.passes.program import shape
 from gdn_fx.passes.result import NoMatch
 
 ATEN = torch.ops.aten
+ASSERT_META = ATEN._assert_tensor_metadata.default
 
 
 @dataclass
@@ -79,6 +80,7 @@ def _in_place(outs: list[fx.Node], order: dict) -> Gathered:
             raise NoMatch("the buffer slice is read besides the write", node=view, step=t)
         erase += [write, view]
     _check_buffer(buf, axis, len(outs))
+    _check_fresh(buf)
     last = max(order[n] for n in erase)
     erased = set(erase)  # a buffer has one user per step: a list lookup here is quadratic
     early = [u for u in buf.users if u not in erased and order[u] < last]
@@ -90,6 +92,35 @@ def _in_place(outs: list[fx.Node], order: dict) -> Gathered:
         raise NoMatch(f"{mutating[0].name} writes the output buffer after the loop",
                       node=mutating[0])
     return Gathered(buf, axis, erase)
+
+
+# Ops that allocate a new tensor, and ops whose result may share memory with their input.
+FRESH = (ATEN.zeros.default, ATEN.empty.memory_format, ATEN.new_zeros.default,
+         ATEN.new_empty.default, ATEN.zeros_like.default, ATEN.empty_like.default,
+         ATEN.full.default, ATEN.new_full.default, ATEN.full_like.default, ATEN.ones.default,
+         ATEN.ones_like.default, ATEN.new_ones.default, ATEN.empty_strided.default,
+         ATEN.clone.default)
+ALIASES = (ATEN.to.dtype, ATEN.to.device, ATEN.to.dtype_layout, ATEN.to.other,
+           ATEN.alias.default, ATEN.detach.default)
+
+
+def _check_fresh(buf: fx.Node) -> None:
+    """In-place writes into ``buf`` reach whatever shares its memory, and only ``buf``'s own
+    readers are rewired to the fused output: the buffer must be a fresh allocation (through
+    casts that may alias it) that nothing else reads, not a view of a tensor read elsewhere."""
+    node = buf
+    while node.target in ALIASES:
+        base = node.args[0]
+        others = [u for u in base.users if u is not node and u.target is not ASSERT_META]
+        if others:
+            raise NoMatch(f"the output buffer {buf.name} aliases {base.name}, which "
+                          f"{others[0].name} also reads: writes through it would not reach "
+                          "the fused output's readers", node=buf)
+        node = base
+    if node.target not in FRESH:
+        raise NoMatch(f"the loop writes its outputs through {buf.name} "
+                      f"({getattr(node.target, '__name__', node.target)}), a view of another "
+                      "tensor; the fused node would not write that tensor", node=buf)
 
 
 def _mutates(node: fx.Node) -> bool:

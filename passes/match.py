@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.program import shape
+from gdn_fx.passes.program import is_pure, shape
 from gdn_fx.passes.result import NoMatch
 
 ATEN = torch.ops.aten
@@ -347,7 +347,7 @@ def is_dead(node: fx.Node) -> bool:
         if current in seen:
             continue
         seen.add(current)
-        if current.op != "call_function" or current.is_impure():
+        if not is_pure(current):
             return False
         todo.extend(current.users)
     return True

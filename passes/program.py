@@ -52,7 +52,8 @@ def fake_mode_of(graph: fx.Graph) -> FakeTensorMode:
     return next(iter(modes.values())) if len(modes) == 1 else FakeTensorMode()
 
 
-def _in_mode(value: Any, mode: FakeTensorMode) -> Any:
+def in_mode(value: Any, mode: FakeTensorMode) -> Any:
+    """``value`` as a fake tensor of ``mode`` (same shape, strides, dtype); non-tensors as is."""
     if not isinstance(value, torch.Tensor) or getattr(value, "fake_mode", None) is mode:
         return value
     with mode:
@@ -65,11 +66,23 @@ def add_node(graph: fx.Graph, target: Callable, args: tuple, kwargs: Optional[di
     """Create a call_function node (at the graph's insert point) with its meta['val'] filled."""
     node = graph.call_function(target, args, kwargs or {})
     mode = mode or fake_mode_of(graph)
-    fake_args = fx.node.map_arg(args, lambda n: _in_mode(val(n), mode))
-    fake_kwargs = fx.node.map_arg(kwargs or {}, lambda n: _in_mode(val(n), mode))
+    fake_args = fx.node.map_arg(args, lambda n: in_mode(val(n), mode))
+    fake_kwargs = fx.node.map_arg(kwargs or {}, lambda n: in_mode(val(n), mode))
     with mode:
         node.meta["val"] = target(*fake_args, **fake_kwargs)
     return node
+
+
+def is_pure(node: fx.Node) -> bool:
+    """A call that only computes its value: an aten op without side effects, or a Python
+    operator on sizes. Anything else (torch.vmap's nesting calls, higher-order ops, ...) may
+    act on the interpreter's state and is kept even when nothing reads its value."""
+    if node.op != "call_function" or node.is_impure():
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return not target._schema.is_mutable
+    return getattr(target, "__module__", None) in ("_operator", "operator", "math")
 
 
 def _removable(node: fx.Node) -> bool:
@@ -78,7 +91,7 @@ def _removable(node: fx.Node) -> bool:
     if node.target is ASSERT_META:  # checks a value nothing else reads any more
         arg = node.args[0]
         return all(user.target is ASSERT_META for user in arg.users)
-    return not node.is_impure()
+    return is_pure(node)
 
 
 def remove_dead(graph: fx.Graph) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.match import is_dead
+from gdn_fx.passes.program import is_pure
 
 ASSERT_META = torch.ops.aten._assert_tensor_metadata.default
 
@@ -28,9 +29,11 @@ class Fusion:
 
     ``emit(graph, env)`` adds the new nodes to ``graph`` (``env`` maps an original node to its
     copy; it may only read ``inputs``) and returns them by key; ``replace`` maps original nodes
-    to those keys; ``drop`` holds the region's nodes, which are not copied.
+    to those keys; ``drop`` holds the region's nodes, which are not copied; ``key`` names the
+    region (a node of it) in near-misses and in a rule's ``only``.
     """
 
+    key: str
     anchor: fx.Node
     emit: Emit
     inputs: set = field(default_factory=set)
@@ -68,7 +71,7 @@ def _left_behind(graph: fx.Graph, fusions: list[Fusion]) -> set:
                 or node.target is ASSERT_META:
             continue
         readers = [u for u in node.users if u.target is not ASSERT_META]
-        if readers and all(u in gone for u in readers) and not node.is_impure():
+        if readers and all(u in gone for u in readers) and is_pure(node):
             gone.add(node)
     for node in graph.nodes:  # dead code hanging off the region goes with it
         if node not in gone and any(i in gone for i in node.all_input_nodes) and is_dead(node):

@@ -16,7 +16,8 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.operands import Operands
-from gdn_fx.passes.program import add_node, dtype, shape
+from gdn_fx.errors import GdnFxError
+from gdn_fx.passes.program import add_node, dtype, in_mode, shape, val
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import NoMatch
 
@@ -29,8 +30,8 @@ class ScanRegion:
     """What a rule found: the nodes it replaces and the two values it stands in for."""
 
     nodes: set  # computed nodes of the region (not copied into the new graph)
-    value: fx.Node  # all T outputs
-    axis: int  # time axis of ``value``: 2 head-major, 1 time-major
+    value: fx.Node  # all T outputs: step outputs [B, H, Dv] stacked along ``axis``
+    axis: int  # time axis of ``value`` (2 head-major, 1 time-major, or any other)
     final: Optional[fx.Node]  # the final state (None when the region does not produce it)
     meta_source: fx.Node  # a node whose stack trace / module path the new nodes inherit
     erase: list = field(default_factory=list)  # side-effect nodes (in-place writes) to drop
@@ -49,7 +50,12 @@ def check_dtypes(region: ScanRegion, ops: Operands) -> None:
 
 
 def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
-    """The fused node, emitted where the region began, standing in for its output and state."""
+    """The fused node, emitted where the region began, standing in for its output and state.
+
+    Raises NoMatch when the operands break the op's contract or the op's output, moved to the
+    region's time axis, would not have the region's shape.
+    """
+    _check_contract(region, ops, mode)
     replace = {region.value: "value"}
     if region.final is not None:
         replace[region.final] = "final"
@@ -63,7 +69,7 @@ def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
                          dict(scale=ops.scale, qk_l2norm=ops.qk_l2norm), mode)
         out = add_node(graph, operator.getitem, (fused, 0), mode=mode)
         final = add_node(graph, operator.getitem, (fused, 1), mode=mode)
-        value = out if region.axis == 1 else _permute(graph, out, mode)
+        value = _time_to(graph, out, region.axis, mode)
         _copy_meta(region.meta_source, (fused, out, final, value))
         return {"out": out, "final": final, "value": value}
 
@@ -72,7 +78,40 @@ def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
     # zero state halfway through the region).
     ready = max(order[n] for n in ops.nodes.values())
     anchor = min((n for n in drop if order[n] > ready), key=order.__getitem__)
-    return Fusion(anchor, emit, set(ops.nodes.values()), replace, drop)
+    return Fusion(region.meta_source.name, anchor, emit, set(ops.nodes.values()), replace, drop)
+
+
+def _check_contract(region: ScanRegion, ops: Operands, mode) -> None:
+    """Run the op's contract check and fake kernel on the operands' metadata, so that a
+    region the op cannot take (a gate broadcast over heads, ...) is a near-miss, not an error."""
+    fakes = {}
+    for name in ("q", "k", "v", "g", "beta", "state"):
+        value = in_mode(val(ops.nodes[name]), mode)
+        if not isinstance(value, torch.Tensor):
+            raise NoMatch(f"operand '{name}' ({ops.nodes[name]}) is not a tensor")
+        fakes[name] = value
+    with mode:
+        for name in ops.to_time_major:
+            fakes[name] = fakes[name].transpose(1, 2)
+        try:
+            out, _ = SCAN(fakes["q"], fakes["k"], fakes["v"], fakes["g"], fakes["beta"],
+                          fakes["state"], scale=ops.scale, qk_l2norm=ops.qk_l2norm)
+        except (GdnFxError, RuntimeError) as err:
+            raise NoMatch(f"the op cannot take these operands: {err}", node=region.meta_source)
+    dims = list(out.shape)
+    dims.insert(region.axis, dims.pop(1))
+    if tuple(dims) != shape(region.value):
+        raise NoMatch(f"the op's output, time on axis {region.axis}, would be {dims}; the "
+                      f"region's is {list(shape(region.value))}", node=region.value)
+
+
+def _time_to(graph: fx.Graph, out: fx.Node, axis: int, mode) -> fx.Node:
+    """The op's time-major [B, T, H, Dv] output with its time axis moved to ``axis``."""
+    if axis == 1:
+        return out
+    order = [0, 2, 3]
+    order.insert(axis, 1)
+    return add_node(graph, ATEN.permute.default, (out, order), mode=mode)
 
 
 def _swaps_axes_1_2(node: fx.Node) -> bool:

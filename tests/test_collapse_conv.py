@@ -167,8 +167,7 @@ def _export(module: nn.Module, args: tuple, form: str, **kwargs):
 
 
 def _rule_registered() -> bool:
-    rules = [*getattr(passes, "GRAPH_RULES", ()), *getattr(passes, "MODULE_RULES", ())]
-    return any(name == NAME for name, _ in rules)
+    return any(name == NAME for name, _ in passes.RULES)
 
 
 def collapse_conv(program):
@@ -176,8 +175,7 @@ def collapse_conv(program):
     until the rule is registered there, it runs as one more in-place module rule."""
     with pytest.MonkeyPatch.context() as patch:
         if not _rule_registered():
-            patch.setattr(passes, "MODULE_RULES",
-                          (*passes.MODULE_RULES, (NAME, collapse_conv_updates)))
+            patch.setattr(passes, "RULES", (*passes.RULES, (NAME, collapse_conv_updates)))
         result = passes.collapse(program)
     misses = [m for m in result.misses if m.rule == NAME]
     return result.program, result.counts[NAME], misses

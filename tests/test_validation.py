@@ -1,0 +1,138 @@
+"""Translation validation: a wrong rewrite is never committed, whichever rule made it.
+
+Each test breaks a rule on purpose (test-only monkeypatches that swap operands or misstate a
+scale) and checks that ``collapse`` rolls the fusion back with a near-miss naming the region,
+while ``verify=False`` shows that the broken rewrite really is wrong (so the test can fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gdn_fx
+import gdn_fx.passes.gdn_chunk as gdn_chunk
+import gdn_fx.passes.gdn_recurrent as gdn_recurrent
+from gdn_fx.passes.chunk_templates import ChunkShape, template_scale
+from tests.programs import export_form, flat, max_rel, run
+
+B, H, T, DK, DV = 1, 2, 4, 4, 6
+
+
+def _step(state, q, k, v, g, beta):
+    state = state * g.exp()[..., None, None]
+    kv = (state * k[..., None]).sum(-2)
+    delta = (v - kv) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return state, (state * q[..., None]).sum(-2)
+
+
+class TwoLoops(torch.nn.Module):
+    """Two independent head-major loops, outputs stacked (two fusions for one rule)."""
+
+    def forward(self, q, k, v, g, beta, s0):
+        results = []
+        for layer in range(2):
+            state, outs = s0 + layer, []
+            for t in range(T):
+                state, o = _step(state, q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t],
+                                 beta[:, :, t])
+                outs.append(o)
+            results += [torch.stack(outs, 2), state]
+        return tuple(results)
+
+
+def _inputs(seed: int = 0) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, T, DK, generator=gen), torch.randn(B, H, T, DK, generator=gen),
+            torch.randn(B, H, T, DV, generator=gen), -torch.rand(B, H, T, generator=gen),
+            torch.rand(B, H, T, generator=gen), torch.randn(B, H, DK, DV, generator=gen))
+
+
+def _swap_qk(only_key=None):
+    """A plan_scan that feeds k as q and q as k (for one region, or all)."""
+    real = gdn_recurrent.plan_scan
+
+    def broken(region, ops, order, mode):
+        if only_key is None or region.meta_source.name == only_key:
+            ops.nodes["q"], ops.nodes["k"] = ops.nodes["k"], ops.nodes["q"]
+        return real(region, ops, order, mode)
+    return broken
+
+
+def _error(program, module) -> float:
+    args = _inputs(1)
+    return max_rel(flat(run(program, args)), flat(module(*args)))
+
+
+@pytest.mark.parametrize("form", ["training", "core", "make_fx"])
+def test_a_rewrite_that_swaps_operands_is_rolled_back(monkeypatch, form):
+    module = TwoLoops()
+    program = export_form(module, _inputs(), form)
+    monkeypatch.setattr(gdn_recurrent, "plan_scan", _swap_qk())
+    unchecked = gdn_fx.collapse(program, verify=False)
+    assert unchecked.counts["gated_delta_scan"] == 2
+    assert _error(unchecked.program, module) > 0.05  # the broken rewrite is really wrong
+    checked = gdn_fx.collapse(program)
+    assert checked.counts["gated_delta_scan"] == 0
+    rolled = [m for m in checked.misses if "translation validation" in m.reason]
+    assert len(rolled) == 2 and all(m.node for m in rolled)
+    assert _error(checked.program, module) < 1e-6
+
+
+def test_only_the_wrong_fusion_is_rolled_back(monkeypatch):
+    module = TwoLoops()
+    program = export_form(module, _inputs(), "training")
+    keys = gdn_recurrent.collapse_recurrences(program.graph_module.graph)[1]
+    assert len(keys) == 2
+    monkeypatch.setattr(gdn_recurrent, "plan_scan", _swap_qk(only_key=keys[1]))
+    result = gdn_fx.collapse(program)
+    assert result.counts["gated_delta_scan"] == 1
+    rolled = [m for m in result.misses if "translation validation" in m.reason]
+    assert [m.node for m in rolled] == [keys[1]]
+    assert _error(result.program, module) < 1e-4
+
+
+def test_a_chunk_fusion_with_a_wrong_scale_is_rolled_back(monkeypatch):
+    from tests.test_collapse_chunk import ChunkRule, inputs  # transformers' own chunked rule
+
+    program = export_form(ChunkRule(), inputs(8), "training")
+    monkeypatch.setattr(gdn_chunk, "template_scale", lambda shape: 0.5)
+    assert gdn_fx.collapse(program, verify=False).counts["gated_delta_scan"] == 1
+    result = gdn_fx.collapse(program)
+    assert result.counts["gated_delta_scan"] == 0
+    assert any("translation validation" in m.reason for m in result.misses)
+
+
+def test_the_chunk_templates_q_scale_is_measured_from_transformers():
+    # transformers 5.24: the GDN rule scales q before padding (outside the cut template),
+    # KDA's after (inside it); read off their source, not computed by the code under test.
+    assert template_scale(ChunkShape("gdn", 1, 2, 70, 8, 8, 64)) == 1.0
+    assert template_scale(ChunkShape("kda", 1, 2, 70, 8, 8, 64)) == pytest.approx(8 ** -0.5)
+
+
+def test_compare_programs_says_why_two_programs_differ():
+    module = TwoLoops()
+    program = export_form(module, _inputs(), "training")
+    assert gdn_fx.compare_programs(program, gdn_fx.collapse(program).program) is None
+
+    class Off(TwoLoops):
+        def forward(self, q, k, v, g, beta, s0):
+            first, *rest = super().forward(q, k, v, g, beta, s0)
+            return (first * 1.01, *rest)
+
+    other = export_form(Off(), _inputs(), "training")
+    reason = gdn_fx.compare_programs(program, other)
+    assert reason is not None and "output 0" in reason
+
+
+def test_a_program_that_fails_on_probe_inputs_is_left_alone():
+    class Picky(TwoLoops):
+        def forward(self, q, k, v, g, beta, s0):
+            torch._assert_async((beta >= 0).all())  # random probe inputs break this
+            return super().forward(q, k, v, g, beta, s0)
+
+    program = export_form(Picky(), _inputs(), "make_fx")
+    result = gdn_fx.collapse(program)
+    assert result.counts["gated_delta_scan"] == 0
+    assert any("original program fails on probe inputs" in m.reason for m in result.misses)
