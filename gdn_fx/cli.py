@@ -1,4 +1,4 @@
-"""The ``gdn-fx`` command: demo, export, diff."""
+"""The ``gdn-fx`` command: demo, export, generate, diff."""
 
 from __future__ import annotations
 
@@ -13,19 +13,40 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="tiny random Qwen3.5 decode step, end to end")
     demo.add_argument("--out", type=Path, default=Path("out/demo.nnef.tgz"))
-    export = sub.add_parser("export", help="export one model family (or a config.json)")
-    source = export.add_mutually_exclusive_group(required=True)
-    source.add_argument("--family", help="a built-in tiny config (see gdn_fx.hf.FAMILIES)")
-    source.add_argument("--config", type=Path, help="a transformers config.json")
+    export = sub.add_parser(
+        "export", help="a model as a generation-ready NNEF (symbolic S and P, prefill and "
+        "decode), or with --seq-len one step at a fixed length")
+    _model_source(export, required=True)
     export.add_argument("--out", type=Path, required=True, help="*.nnef.tgz, .nnef.tar or .nnef")
-    export.add_argument("--seq-len", type=int, default=1, help="new tokens per step (default 1)")
+    export.add_argument("--seq-len", type=int, default=None,
+                        help="export one step of this many new tokens instead (past fixed)")
     export.add_argument("--dynamic-seq", action="store_true",
-                        help="symbolic sequence axis in the NNEF (checked at S=3 and 50)")
+                        help="with --seq-len: symbolic sequence axis (checked at S=3 and 50)")
     export.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32")
+    export.add_argument("--no-check", action="store_true",
+                        help="skip the short tract generation compared with transformers")
+    generate = sub.add_parser("generate", help="greedy generation in tract from an export")
+    generate.add_argument("--nnef", type=Path, required=True,
+                          help="the export (its X.decode.nnef.tgz is used when present)")
+    generate.add_argument("--prompt-ids", required=True, help="token ids, e.g. 1,2,3")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--check", action="store_true",
+                          help="compare every token and logit with transformers' generate on "
+                          "the model named by --family / --config / --model")
+    _model_source(generate, required=False)
     diff = sub.add_parser("diff", help="structural diff of two programs (.pt2) or NNEF exports")
     diff.add_argument("a", type=Path)
     diff.add_argument("b", type=Path)
     return parser
+
+
+def _model_source(parser: argparse.ArgumentParser, required: bool) -> None:
+    source = parser.add_mutually_exclusive_group(required=required)
+    source.add_argument("--family", help="a built-in tiny config (see gdn_fx.hf.FAMILIES)")
+    source.add_argument("--config", type=Path, help="a transformers config.json")
+    source.add_argument("--model", type=Path, dest="model_dir",
+                        help="a transformers checkpoint folder (config.json + weights)")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed for --family/--config")
 
 
 def _export(job) -> int:
@@ -58,8 +79,51 @@ def _dispatch(args) -> int:
 
     if args.command == "demo":
         return _export(Job(family="qwen3_5", out=args.out))
-    return _export(Job(family=args.family, config=args.config, out=args.out,
-                       seq_len=args.seq_len, dynamic_seq=args.dynamic_seq, dtype=args.dtype))
+    if args.command == "generate":
+        return _generate(args)
+    job = Job(family=args.family, config=args.config, model_dir=args.model_dir, out=args.out,
+              seq_len=args.seq_len or 1, dynamic_seq=args.dynamic_seq, dtype=args.dtype,
+              seed=args.seed)
+    if args.seq_len is None and not args.dynamic_seq:
+        from gdn_fx.pipeline import render_generator, run_generator
+
+        report = run_generator(job, say=lambda line: print(line, flush=True),
+                               check=not args.no_check)
+        print(render_generator(report))
+        return 0 if report.ok else 1
+    return _export(job)
+
+
+def _generate(args) -> int:
+    """Greedy tokens in tract; with --check, against transformers on the same model."""
+    from gdn_fx.errors import UsageError
+    from gdn_fx.hf.generator import Generator, check_generation, decode_path
+    from gdn_fx.pipeline import Job, build_model
+
+    try:
+        prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be integers separated by commas, got "
+                         f"{args.prompt_ids!r}") from None
+    if not prompt:
+        raise UsageError("--prompt-ids is empty")
+    if args.check and not (args.family or args.config or args.model_dir):
+        raise UsageError("--check needs the model: --family, --config or --model")
+    if not args.nnef.exists():
+        raise UsageError(f"--nnef {args.nnef} does not exist")
+    decode = decode_path(args.nnef)
+    generator = Generator(args.nnef, decode if decode.exists() else None)
+    result = generator.generate(prompt, args.max_new_tokens, progress=True)
+    print("tokens: " + ",".join(map(str, result.tokens)))
+    print(f"tract: {result.rates()}")
+    if not args.check:
+        return 0
+    model, name = build_model(Job(family=args.family, config=args.config,
+                                  model_dir=args.model_dir, seed=args.seed))
+    found = check_generation(model, result)
+    print(f"check against transformers ({name}): {found}")
+    print("OK" if found.ok else "NOT OK")
+    return 0 if found.ok else 1
 
 
 if __name__ == "__main__":

@@ -31,3 +31,7 @@ class UnsupportedModel(GdnFxError, NotImplementedError):
 
 class ExportRefused(GdnFxError, RuntimeError):
     """An export would be wrong for some input (e.g. a dynamic axis over an unrolled loop)."""
+
+
+class UsageError(GdnFxError, ValueError):
+    """A command-line argument that cannot be used (the message says which and why)."""

@@ -42,7 +42,8 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
                 dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None,
                 input_names: Optional[Sequence[str]] = None,
                 output_names: Optional[Sequence[str]] = None,
-                choose: Optional[Mapping] = None) -> Path:
+                choose: Optional[Mapping] = None,
+                symbol_min: Optional[Mapping[str, int]] = None) -> Path:
     """Write ``program`` (an ExportedProgram or GraphModule with gdn_fx nodes) as tract NNEF.
 
     Each ``gated_delta_scan`` / ``causal_conv1d_update`` node is lowered by the first
@@ -59,6 +60,8 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
         (``gdn_fx.find_unrolled``), or when an axis the program holds fixed does not compute
         at two other lengths (a reshape to a literal size, ...): export such models with
         symbolic shapes instead (``gdn_fx.hf.export_nnef_dynamic``).
+        Each symbol is declared to tract as ``>= 1``, or ``>= symbol_min[symbol]`` (e.g.
+        ``{"P": 0}`` for a past length that may be 0).
     input_names / output_names: NNEF names; inputs default to the program's placeholder names.
     choose: force or forbid candidates: keys ``"*"``, an op name or a fused node name map to
         one candidate name to force; ``"forbid"`` maps to a list of names (everywhere) or to a
@@ -79,24 +82,28 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
 
     path = Path(path)
     writer_path, compression = _writer_settings(path)
-    target = Target.parse(tract_version, dynamic=bool(dynamic_axes))
+    from gdn_fx.lowering.dynamic_axes import frozen_axes, refuse_frozen_axes
+
     module = prog.traceable_module(program)
     names = list(input_names) if input_names is not None else prog.input_names(module)
+    # Sizes may differ from the traced ones at run time only where a declared dynamic axis is
+    # static in the program; axes the program holds symbolic are vouched for by torch.export,
+    # and its static sizes then stay what they are (a decode graph's S = 1 beside a symbolic P).
+    target = Target.parse(tract_version, dynamic=bool(frozen_axes(module, dynamic_axes, names)))
     prog.refuse_bfloat16(module)
     apply_fixes(module)
     if dynamic_axes:
-        from gdn_fx.lowering.dynamic_axes import refuse_frozen_axes
-
         _refuse_unrolled(program)
         refuse_frozen_axes(module, dynamic_axes, names)
     decisions = plan(module, target, choose)  # logs every decision and rejection
     to_bridge(module, {d.node: d.candidate for d in decisions})
-    return _write(module, writer_path, compression, tract_version, dynamic_axes, decisions,
-                  names, list(output_names) if output_names else None)
+    return _write(module, writer_path, compression, target, dynamic_axes, decisions,
+                  names, list(output_names) if output_names else None, symbol_min or {})
 
 
-def _write(module, writer_path: Path, compression: Optional[int], tract_version: str,
-           dynamic_axes, decisions, input_names: list, output_names: Optional[list]) -> Path:
+def _write(module, writer_path: Path, compression: Optional[int], target, dynamic_axes,
+           decisions, input_names: list, output_names: Optional[list],
+           symbol_min: Mapping[str, int]) -> Path:
     """Trace the bridged module with torch-to-nnef (offline target) and write the NNEF."""
     from torch_to_nnef.export import export_model_to_nnef
 
@@ -104,8 +111,11 @@ def _write(module, writer_path: Path, compression: Optional[int], tract_version:
     from gdn_fx.lowering.plan import summary
     from gdn_fx.lowering.program import example_inputs
 
-    t2n_target = offline_tract_target(tract_version, dynamic_axes,
+    from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE
+
+    t2n_target = offline_tract_target(target.version_text, dynamic_axes,
                                       {"gdn_fx_lowering": summary(decisions)})
+    setattr(t2n_target, DYNAMIC_ATTRIBUTE, target.dynamic)  # emission re-checks against it
     # Symbols are extents (>= 1); without saying so tract keeps slower generic ops (FACTS.md).
     symbols = sorted({str(s) for axes in (dynamic_axes or {}).values()
                       for s in (axes.values() if isinstance(axes, Mapping) else [])})
@@ -114,5 +124,5 @@ def _write(module, writer_path: Path, compression: Optional[int], tract_version:
             module, example_inputs(module), writer_path, t2n_target,
             input_names=input_names, output_names=output_names, compression_level=compression,
             log_level=logging.WARNING, load_extra_op_modules=[PLUGIN], strict_extra_imports=True,
-            custom_extensions=[f"tract_assert {s} >= 1" for s in symbols])
+            custom_extensions=[f"tract_assert {s} >= {symbol_min.get(s, 1)}" for s in symbols])
     return Path(written)

@@ -10,6 +10,7 @@ relative error of every tract output against the eager model.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ class Job:
 
     family: Optional[str] = "qwen3_5"
     config: Optional[Path] = None
+    model_dir: Optional[Path] = None  # a transformers checkpoint folder (save_pretrained)
     out: Path = Path("out/model.nnef.tgz")
     seq_len: int = 1
     dynamic_seq: bool = False
@@ -63,6 +65,11 @@ def build_model(job: Job) -> tuple[torch.nn.Module, str]:
     """The model to export (random weights) and a name for it."""
     from gdn_fx.hf import tiny_model
 
+    if job.model_dir is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(job.model_dir, dtype=DTYPES[job.dtype])
+        return model.eval(), f"{model.config.model_type} from {job.model_dir}"
     if job.config is not None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -133,6 +140,84 @@ def _run_dynamic(job: Job, step, name: str, say: Callable) -> Report:
         report.checks[length] = max(found.errors)
         report.checks_ok = report.checks_ok and found.ok
     return report
+
+
+@dataclass
+class GeneratorReport:
+    """What the generator job wrote and how its tract generation compared with transformers."""
+
+    model: str
+    files: object = None  # gdn_fx.hf.generator.GeneratorFiles
+    expected: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+    decisions: dict = field(default_factory=dict)  # file -> {node: candidate}
+    check: object = None  # GenerationCheck, or None when not checked
+    rates: str = ""
+    seconds: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.counts == self.expected and (self.check is None or self.check.ok)
+
+
+CHECK_PROMPT, CHECK_TOKENS = 12, 16  # the export's own check: a short greedy generation
+
+
+def run_generator(job: Job, say: Callable[[str], None] = print,
+                  check: bool = True) -> GeneratorReport:
+    """Write the generation-ready artifact (gdn_fx.hf.generator) and, with ``check``,
+    generate with it in tract and compare every token and logit with transformers."""
+    from gdn_fx import tract_check
+    from gdn_fx.hf import DecodeStep
+    from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
+    from gdn_fx.hf.generator import Generator, check_generation, export_generator
+
+    model, name = build_model(job)
+    report = GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P")
+    job.out.parent.mkdir(parents=True, exist_ok=True)
+    with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"):
+        files = export_generator(model, job.out, say=say)
+    report.files = files
+    report.expected = DecodeStep(model).expected_fusions
+    report.decisions = {p: tract_check.read_decisions(p) for p in (files.main, files.decode)
+                        if p is not None}
+    lowered = report.decisions[files.main]  # one decision per fused node, named after its op
+    report.counts = {op: sum(1 for n in lowered if re.fullmatch(rf"{op}(_\d+)?", n))
+                     for op in report.expected}
+    if check:
+        low, high = SAFE_TOKEN_RANGE
+        prompt = torch.randint(low, high, (CHECK_PROMPT,),
+                               generator=torch.Generator().manual_seed(job.seed)).tolist()
+        with _timed(report, "generate", say, f"tract: {CHECK_TOKENS} greedy tokens, compared "
+                    "with transformers' generate"):
+            result = Generator(files.main, files.decode).generate(prompt, CHECK_TOKENS)
+            report.check = check_generation(model, result)
+        report.rates = result.rates()
+    return report
+
+
+def render_generator(report: GeneratorReport) -> str:
+    """The generator report as the lines the CLI prints."""
+    files = report.files
+    lines = [f"model: {report.model}",
+             "fused: " + ", ".join(f"{k} {report.counts.get(k, 0)}/{n}"
+                                   for k, n in report.expected.items()),
+             f"nnef: {files.main} (every S >= 1, P >= 0)"]
+    if files.decode is not None:
+        lines.append(f"nnef: {files.decode} (decode, S = 1, P >= 0)")
+    else:
+        lines.append(f"decode graph: none ({files.decode_note}); the main graph serves decode")
+    lines.append(f"inputs: {', '.join(files.input_names)}")
+    lines.append(f"outputs: {', '.join(files.output_names)}")
+    for path, decided in report.decisions.items():
+        lines.append(f"lowering of {Path(path).name}: " + ", ".join(
+            f"{node} -> {candidate}" for node, candidate in decided.items()))
+    if report.check is not None:
+        lines.append(f"tract generate vs transformers: {report.check}")
+        lines.append(f"tract speed: {report.rates}")
+    lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items()))
+    lines.append("OK" if report.ok else "NOT OK")
+    return "\n".join(lines)
 
 
 def _count(program, op: str) -> int:

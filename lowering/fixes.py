@@ -417,6 +417,55 @@ def reshaped_depthwise_filters(module: fx.GraphModule) -> int:
     return count
 
 
+def attention_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False):
+    """``softmax(q k^T * scale + mask) v``: what scaled_dot_product_attention computes (no
+    dropout, no causal flag, no GQA: the fix below only takes such calls)."""
+    factor = query.shape[-1] ** -0.5 if scale is None else scale
+    weights = torch.matmul(query, key.transpose(-2, -1)) * factor
+    if attn_mask is not None:
+        weights = weights + attn_mask
+    return torch.matmul(torch.softmax(weights, dim=-1), value)
+
+
+@_recompiles
+def static_query_attention_as_matmuls(module: fx.GraphModule) -> int:
+    """An SDPA whose query length is static but whose key length is symbolic (a decode graph:
+    one new token after P cached ones) is spelled as matmuls and a softmax: tract 0.23.9's
+    flash kernel, which it picks for such a call, fails at run time for P > 0 with
+    "IncompatibleShape" (P = 0 runs). With a symbolic query length it is not picked."""
+    count = 0
+    for node in module.graph.nodes:
+        if node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        query, key = _val(node.args[0]), _val(node.args[1])
+        plain = (node.kwargs.get("dropout_p", 0.0) == 0.0 and not node.kwargs.get("is_causal")
+                 and not node.kwargs.get("enable_gqa") and len(node.args) <= 4)
+        if plain and static_dim(query.shape[-2]) is not None \
+                and static_dim(key.shape[-2]) is None:
+            node.target = attention_math
+            count += 1
+    return count
+
+
+SLICE_END = 2 ** 63 - 1  # what torch writes for "to the end"
+
+
+@_recompiles
+def explicit_slice_ends(module: fx.GraphModule) -> int:
+    """``aten.slice(x, dim, start)`` with its end left out (torch.export writes ``x[..., -1:]``
+    so once a size became static, e.g. a decode graph traced at S = 1) gets the end written
+    out: under dynamic axes torch-to-nnef 0.24.12 emits the default end as a reference to a
+    constant it never defines (``dyn_slice(.., end = c35)``), and tract refuses to load it."""
+    count = 0
+    for node in module.graph.nodes:
+        if node.target is aten.slice.Tensor and 2 < len(node.args) < 4 and "end" not in \
+                node.kwargs:
+            node.args = (*node.args, SLICE_END)
+            count += 1
+    return count
+
+
 # In order: refusals first (fail before any work), then fixes that remove nodes, then the
 # dtype fixes (typed_factories must also see the zeros empty_reshapes_as_constants makes).
 FIXES: tuple[Fix, ...] = (
@@ -424,6 +473,7 @@ FIXES: tuple[Fix, ...] = (
     typed_factories,
     positive_scatter_dims, float_attention_masks,
     unit_step_slice_scatters, respell, sorted_topk, scatter_values_as_tensors, precise_sigmoids,
+    explicit_slice_ends, static_query_attention_as_matmuls,
 )
 
 

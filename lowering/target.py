@@ -26,6 +26,9 @@ def version_text(version: tuple[int, int, int]) -> str:
     return ".".join(str(part) for part in version)
 
 
+DYNAMIC_ATTRIBUTE = "gdn_fx_dynamic"  # set on a torch-to-nnef target by export_nnef
+
+
 @dataclass(frozen=True)
 class Target:
     """A tract release and whether the export declares symbolic (dynamic) axes.
@@ -61,4 +64,9 @@ def as_target(target) -> Target:
     version = getattr(target, "version", None)
     if version is None or not hasattr(version, "to_str"):
         raise TypeError(f"cannot read a tract version from {target!r}")
-    return Target.parse(version.to_str(), dynamic=bool(getattr(target, "dynamic_axes", None)))
+    # export_nnef records what it decided (only axes the program holds static are dynamic to
+    # the lowering); a target made elsewhere counts every declared axis.
+    dynamic = getattr(target, DYNAMIC_ATTRIBUTE, None)
+    if dynamic is None:
+        dynamic = bool(getattr(target, "dynamic_axes", None))
+    return Target.parse(version.to_str(), dynamic=dynamic)

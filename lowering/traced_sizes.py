@@ -55,6 +55,11 @@ SPELLINGS = {
     aten.zeros.default: ("call_function", torch.zeros),
     aten.ones.default: ("call_function", torch.ones),
     aten.full.default: ("call_function", torch.full),
+    # A tensor plus a size (positions ``arange(S) + P``, a mask's ``arange(S) + offset``):
+    # under jit.trace a traced size is a 0-d tensor, so the Python operator records it.
+    aten.add.Tensor: ("call_function", operator.add),
+    aten.sub.Tensor: ("call_function", operator.sub),
+    aten.mul.Tensor: ("call_function", operator.mul),
 }
 # Size arithmetic torch.export leaves as Python calls; they work on traced sizes as they are.
 SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.neg, operator.floordiv,

@@ -40,12 +40,13 @@ class DecodeStep(nn.Module):
     happens inside ``forward`` and is undone when it returns.
     """
 
-    def __init__(self, model: nn.Module, rule: str = "auto"):
+    def __init__(self, model: nn.Module, rule: str = "auto", last_logits: bool = False):
         super().__init__()
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.model = model
         self.rule = rule
+        self.last_logits = last_logits  # logits of the last position only (a generator's)
         self.specs: list[StateSpec] = discover_specs(model)
         self.modeling: list[patching.ModelingModule] = patching.modeling_modules(model)
 
@@ -67,7 +68,9 @@ class DecodeStep(nn.Module):
             cache = build_cache(self.model.config, self.specs, [s.clone() for s in states],
                                 linear_class=linear_class)
             try:
-                logits = self.model(input_ids=input_ids, cache=cache, use_cache=True).logits
+                keep = {"logits_to_keep": 1} if self.last_logits else {}
+                logits = self.model(input_ids=input_ids, cache=cache, use_cache=True,
+                                    **keep).logits
                 unconsumed = patching.PENDING.entry is not None
             finally:
                 patching.PENDING.entry = None
@@ -88,6 +91,20 @@ class DecodeStep(nn.Module):
         """
         seq = Dim.DYNAMIC(min=min_seq, max=max_seq) if max_seq else Dim.DYNAMIC(min=min_seq)
         return ({1: seq}, tuple(None for _ in self.specs))
+
+    def generator_shapes(self) -> tuple:
+        """``dynamic_shapes`` of a generator: ``S`` new tokens (>= 1) after ``P`` cached ones
+        (>= 0, one P for every attention cache).
+
+        Export at an example with S >= 2 and P >= 2: torch.export specializes a dimension
+        whose example is 0 or 1. transformers' ``S == 1`` tests are decided for the
+        multi-token branch under symbolic S without a guard, and that branch carries the
+        states when they are given (DecodeStep always gives them).
+        """
+        past = Dim("P", min=0)
+        caches = tuple({s.past_axis: past} if s.past_axis is not None else None
+                       for s in self.specs)
+        return ({1: Dim("S", min=1)}, caches)
 
     @property
     def expected_fusions(self) -> dict[str, int]:

@@ -44,7 +44,7 @@ def prepare_for_nnef(model: nn.Module) -> nn.Module:
     return model
 
 
-def _fused_counts(program: torch.export.ExportedProgram) -> dict[str, int]:
+def fused_counts(program: torch.export.ExportedProgram) -> dict[str, int]:
     counts = {"gated_delta_scan": 0, "causal_conv1d_update": 0}
     for node in program.graph.nodes:
         for name in counts:
@@ -68,7 +68,7 @@ def export_dynamic(step: DecodeStep, seq_len: int = 8, min_seq: int = 2,
     with reify(step.model):
         program = torch.export.export(step, args, strict=False,
                                       dynamic_shapes=step.dynamic_shapes(min_seq, max_seq))
-    counts = _fused_counts(program)
+    counts = fused_counts(program)
     if counts != step.expected_fusions:
         raise UnsupportedModel(f"reified export holds {counts} fused nodes, expected "
                                f"{step.expected_fusions}")

@@ -1,0 +1,296 @@
+"""Generation-ready NNEF: one artifact for prefill and decode at any length and any past.
+
+    files = export_generator(tiny_model("qwen3_5"), "out/q.nnef.tgz")
+    gen = Generator(files.main, files.decode)            # tract, one State per graph, kept
+    result = gen.generate(prompt_ids, max_new_tokens=64)  # greedy
+    check = check_generation(model, result)               # against transformers' generate
+
+The artifact's inputs are ``input_ids [B, S]`` (S >= 1), then every cached tensor in
+DecodeStep's order: attention keys/values ``[B, Hkv, P, D]`` (P >= 0, the same P for all),
+conv and recurrent states (fixed shapes); its outputs are the logits (last position unless
+``all_logits``), then each new state in the order of the inputs it replaces. A first prefill
+runs at P = 0 with zero states.
+
+Why reify and symbolic S and P: a program traced at fixed lengths holds them as literals in
+every reshape, mask and position outside the linear-attention layers. Reified, transformers'
+rule and conv calls are the fused ops and nothing unrolls, so torch.export keeps S and P
+symbolic; transformers' ``S == 1`` tests are decided for the multi-token branch, which carries
+the given states (the state-carrying path at every S, also at S = 1).
+
+Why a pair of graphs: under a symbolic S the lowering table must pick a candidate that serves
+every S. On a Qwen3.5-sized layer (bench/bench_tract.py) none is within 1.25x of the best at
+both S = 1 and S = 512: ``chunked`` is 5.8x the best at S = 1, ``matmul`` 3.8x at S = 512. So
+``X.decode.nnef.tgz`` beside ``X.nnef.tgz`` is the same model at S = 1 (P symbolic), lowered
+with the decode candidates; same inputs, same outputs.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+from torch.export import Dim
+
+from gdn_fx.errors import UnsupportedModel
+from gdn_fx.hf.decode import DecodeStep
+from gdn_fx.hf.dropins import reify
+from gdn_fx.hf.nnef import fused_counts, prepare_for_nnef
+
+EXAMPLE_SEQ, EXAMPLE_PAST = 3, 4  # >= 2: torch.export specializes dims whose example is 0 or 1
+
+
+@dataclass(frozen=True)
+class GeneratorFiles:
+    """What :func:`export_generator` wrote: the graph for every S, and the S = 1 graph."""
+
+    main: Path
+    decode: Optional[Path]
+    input_names: tuple
+    output_names: tuple
+    decode_note: str = ""  # why no decode graph was kept, when none was
+
+
+def decode_path(path: Union[str, Path]) -> Path:
+    """``X.decode.nnef.tgz`` for ``X.nnef.tgz`` (the same rule for .nnef.tar and .nnef)."""
+    path = Path(path)
+    for suffix in (".nnef.tgz", ".nnef.tar", ".nnef"):
+        if path.name.endswith(suffix):
+            return path.with_name(path.name[: -len(suffix)] + ".decode" + suffix)
+    raise ValueError(f"NNEF path {path} must end with .nnef.tgz, .nnef.tar or .nnef")
+
+
+def export_program(step: DecodeStep) -> torch.export.ExportedProgram:
+    """The reified step exported with symbolic S (>= 1) and P (>= 0)."""
+    args = step.example_inputs(seq_len=EXAMPLE_SEQ, past_len=EXAMPLE_PAST)
+    try:
+        with reify(step.model):
+            program = torch.export.export(step, args, strict=False,
+                                          dynamic_shapes=step.generator_shapes())
+    except torch._dynamo.exc.UserError as error:  # the model bounds S or P (sliding windows)
+        bounds = [line.strip("- ").strip() for line in str(error).splitlines()
+                  if line.strip().startswith("- Not all values")]
+        raise UnsupportedModel("the model does not compute for every S >= 1 and P >= 0: "
+                               + "; ".join(bounds or [str(error).splitlines()[0]])) from None
+    counts = fused_counts(program)
+    if counts != step.expected_fusions:
+        raise UnsupportedModel(f"the reified export holds {counts} fused nodes, expected "
+                               f"{step.expected_fusions}")
+    return program
+
+
+def decode_program(program: torch.export.ExportedProgram,
+                   step: DecodeStep) -> torch.export.ExportedProgram:
+    """``program`` re-traced at S = 1, P still symbolic.
+
+    The program, not the model, is re-traced: transformers' ``S == 1`` branches were decided
+    for the multi-token path when it was exported, so the decode graph computes exactly what
+    the main graph computes at S = 1; only its sizes become static, which lets the lowering
+    table take its decode candidates for the fused nodes.
+    """
+    module = program.module()
+    for name in ("train", "eval"):  # ep.module()'s overrides refuse to be traced
+        module.__dict__.pop(name, None)
+    args = step.example_inputs(seq_len=1, past_len=EXAMPLE_PAST)
+    # Dim.DYNAMIC, not a named Dim: at a static S GQA's repeat_kv adds a guard
+    # (min(a*P + a, 2a*P + 2a) == a*P + a) that holds for every P but a named Dim refuses.
+    past = Dim.DYNAMIC(min=0)
+    shapes = (None, *({s.past_axis: past} if s.past_axis is not None else None
+                      for s in step.specs))
+    return torch.export.export(module, args, strict=False, dynamic_shapes=shapes)
+
+
+def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool = True,
+                     all_logits: bool = False, tract_version: str = "0.23.9",
+                     choose: Optional[Mapping] = None,
+                     say: Callable[[str], None] = lambda line: None) -> GeneratorFiles:
+    """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF.
+
+    ``path`` serves every S (prefill, and decode too); with ``decode`` (the default) the S = 1
+    graph is written beside it as ``decode_path(path)`` (see the module doc for why). The
+    model is prepared for NNEF in place (``prepare_for_nnef``). Raises UnsupportedModel when a
+    layer is not reified, ExportRefused (from export_nnef) for what cannot follow S and P.
+    """
+    from gdn_fx.export import export_nnef
+
+    step = DecodeStep(prepare_for_nnef(model), last_logits=not all_logits)
+    past = {s.name: {s.past_axis: "P"} for s in step.specs if s.past_axis is not None}
+    say(f"export the reified step (symbolic S and P) -> {path}")
+    program = export_program(step)
+    jobs = [(Path(path), program, {"input_ids": {1: "S"}, **past})]
+    if decode:
+        jobs.append((decode_path(path), decode_program(program, step), past))
+    written = []
+    for target, exported, axes in jobs:
+        say(f"write {target}")
+        written.append(export_nnef(exported, target, tract_version=tract_version,
+                                   dynamic_axes=axes, input_names=step.input_names,
+                                   output_names=step.output_names, choose=choose,
+                                   symbol_min={"P": 0}))
+    note = _decode_problem(written[1], step) if decode else "not asked for"
+    if note and decode:
+        say(f"decode graph dropped: {note}; the main graph serves decode")
+        written[1].unlink()
+    return GeneratorFiles(written[0], None if note else written[1], tuple(step.input_names),
+                          tuple(step.output_names), note)
+
+
+def _decode_problem(path: Path, step: DecodeStep) -> str:
+    """Why tract cannot serve decode from ``path`` ('' when it runs like eager at P = 0 and 5).
+
+    The S = 1 graph is a second trace with other static sizes, which meets other tract
+    optimizer paths (seen: an axes assertion in kimi_linear's MoE router); it is kept only
+    when tract loads it and it computes what the model does."""
+    from gdn_fx import tract_check
+
+    try:
+        runnable = tract_check.load(path)
+        for past in (0, 5):
+            args = step.example_inputs(seq_len=1, past_len=past)
+            found = tract_check.compare(runnable, step.eager(*args), args)
+            if not found.ok:
+                return f"at P = {past} it differs from eager: {found}"
+    except Exception as error:  # noqa: BLE001 (tract's errors: any failure drops the graph)
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return f"tract fails on it: {' / '.join(lines[:3])[:300]}"
+    return ""
+
+
+# --- running it in tract ------------------------------------------------------------------
+
+@dataclass
+class GenerationResult:
+    """Greedy tokens and per-step last-position logits, with the time each phase took."""
+
+    prompt: list
+    tokens: list = field(default_factory=list)
+    logits: list = field(default_factory=list)  # one [vocab] array per generated token
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def rates(self) -> str:
+        prefill = len(self.prompt) / self.prefill_s if self.prefill_s else float("nan")
+        steps = len(self.tokens) - 1
+        decode = steps / self.decode_s if self.decode_s and steps else float("nan")
+        return (f"prefill {len(self.prompt)} tokens in {self.prefill_s * 1e3:.1f} ms "
+                f"({prefill:.1f} tokens/s); decode {steps} tokens in "
+                f"{self.decode_s * 1e3:.1f} ms ({decode:.1f} tokens/s)")
+
+
+class Generator:
+    """Greedy decoding in tract over a generator artifact (and its decode graph, if given).
+
+    One tract State per graph is spawned once and kept across calls, as an application runs
+    it; the cache travels as explicit tensors from one call's outputs to the next's inputs.
+    """
+
+    def __init__(self, main: Union[str, Path], decode: Optional[Union[str, Path]] = None):
+        from gdn_fx import tract_check
+
+        self.main = tract_check.load(main).spawn_state()
+        self.decode = tract_check.load(decode).spawn_state() if decode else self.main
+        self.zero_states = _zero_states(main)
+
+    def step(self, state, ids: np.ndarray, caches: list) -> tuple[np.ndarray, list]:
+        """One call: (last-position logits [B, V], new caches)."""
+        import tract
+
+        outputs = state.run([tract.Tensor.from_numpy(x) for x in [ids, *caches]])
+        arrays = [t.to_numpy() for t in outputs]
+        return arrays[0][:, -1], arrays[1:]
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                 progress: bool = False) -> GenerationResult:
+        """Greedy continuation of ``prompt_ids`` (batch 1) by ``max_new_tokens`` tokens."""
+        result = GenerationResult(list(prompt_ids))
+        start = time.perf_counter()
+        logits, caches = self.step(self.main, np.array([prompt_ids], dtype=np.int64),
+                                   [z.copy() for z in self.zero_states])
+        result.prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for count in range(max_new_tokens):
+            token = int(logits[0].argmax())
+            result.tokens.append(token)
+            result.logits.append(logits[0])
+            if progress:
+                _progress(count + 1, max_new_tokens)
+            if count + 1 < max_new_tokens:
+                logits, caches = self.step(self.decode, np.array([[token]], dtype=np.int64),
+                                           caches)
+        result.decode_s = time.perf_counter() - start
+        if progress:
+            print(file=sys.stderr)
+        return result
+
+
+def _progress(done: int, total: int, width: int = 30) -> None:
+    filled = width * done // total
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} tokens", end="",
+          file=sys.stderr, flush=True)
+
+
+EXTERNAL = re.compile(r"(\w+) = tract_core_external\(shape = \[([^\]]*)\], "
+                      r"datum_type = '(\w+)'\)")
+DATUM = {"f32": np.float32, "f16": np.float16, "f64": np.float64, "i64": np.int64}
+
+
+def _zero_states(path: Union[str, Path]) -> list:
+    """Zero caches for a first prefill, from the NNEF's input declarations (every input after
+    ``input_ids``): P = 0 for attention caches, zeros of their shape for the other states."""
+    from gdn_fx import tract_check
+
+    found = EXTERNAL.findall(tract_check.nnef_text(path))
+    zeros = []
+    for name, dims, datum in found[1:]:
+        shape = [0 if d.strip() == "P" else int(d) for d in dims.split(",")]
+        zeros.append(np.zeros(shape, dtype=DATUM[datum]))
+    return zeros
+
+
+# --- checking it against transformers -------------------------------------------------------
+
+@dataclass(frozen=True)
+class GenerationCheck:
+    """tract's greedy generation against transformers' ``generate`` on the same model."""
+
+    tokens_equal: bool
+    first_difference: Optional[int]  # index of the first differing token
+    worst_logits: float  # max over steps of max|tract - hf| / max|hf|
+    bound: float
+    hf_tokens: list
+
+    @property
+    def ok(self) -> bool:
+        return self.tokens_equal and self.worst_logits <= self.bound
+
+    def __str__(self) -> str:
+        tokens = "every token equal" if self.tokens_equal else (
+            f"tokens differ from position {self.first_difference}")
+        return (f"{tokens} ({len(self.hf_tokens)} tokens); logits max relative error "
+                f"{self.worst_logits:.2e} (bound {self.bound:g})")
+
+
+def check_generation(model: nn.Module, result: GenerationResult,
+                     bound: float = 1e-4) -> GenerationCheck:
+    """Run transformers' own greedy ``generate`` from ``result.prompt`` and compare every
+    token and every step's logits (raw, before any logits processor)."""
+    prompt = torch.tensor([result.prompt])
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                             max_new_tokens=len(result.tokens), min_new_tokens=0,
+                             do_sample=False, eos_token_id=None, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    hf_tokens = out.sequences[0, prompt.shape[1]:].tolist()
+    worst = 0.0
+    for got, want in zip(result.logits, out.logits):
+        want = want[0].double().numpy()
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    differ = [i for i, (a, b) in enumerate(zip(result.tokens, hf_tokens)) if a != b]
+    equal = not differ and len(hf_tokens) == len(result.tokens)
+    return GenerationCheck(equal, differ[0] if differ else None, worst, bound, hf_tokens)

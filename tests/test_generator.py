@@ -1,0 +1,114 @@
+"""Generation-ready exports: one NNEF (or a declared pair) that generates in tract exactly as
+transformers' own ``generate`` does, for every hybrid family.
+
+Expected tokens and logits come from transformers (``model.generate``, greedy, raw logits),
+never from gdn-fx: a 37-token prompt, 64 new tokens, every token equal and every step's
+logits within 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from gdn_fx import tract_check
+from gdn_fx.cli import main
+from gdn_fx.errors import ExportRefused, UnsupportedModel
+from gdn_fx.hf import tiny_model
+from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
+from gdn_fx.hf.generator import Generator, check_generation, decode_path, export_generator
+
+GENERATING = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear",
+              "bailing_hybrid", "lfm2")
+
+
+def _prompt(length: int = 37, seed: int = 1) -> list:
+    low, high = SAFE_TOKEN_RANGE
+    return torch.randint(low, high, (length,), generator=torch.Generator().manual_seed(seed)
+                         ).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", GENERATING)
+def test_tract_generates_what_transformers_generates(tmp_path, family):
+    model = tiny_model(family)
+    files = export_generator(model, tmp_path / f"{family}.nnef.tgz")
+    generator = Generator(files.main, files.decode)
+    for seed in (1, 2):  # the second run reuses the kept tract States
+        result = generator.generate(_prompt(seed=seed), 64)
+        found = check_generation(model, result)
+        assert found.ok, f"{family} (prompt {seed}): {found}"
+        assert len(result.tokens) == 64
+
+
+def test_the_artifact_declares_symbolic_lengths_and_the_contract_order(tmp_path):
+    model = tiny_model("qwen3_5")
+    files = export_generator(model, tmp_path / "q.nnef.tgz")
+    text = tract_check.nnef_text(files.main)
+    assert "extension tract_symbol S;" in text and "extension tract_symbol P;" in text
+    assert "tract_assert P >= 0" in text and "tract_assert S >= 1" in text
+    assert re.search(r"input_ids = tract_core_external\(shape = \[1, S\]", text)
+    assert re.search(r"key_1 = tract_core_external\(shape = \[1, 2, P, 8\]", text)
+    assert files.input_names[0] == "input_ids"
+    assert files.output_names == ("logits", *(f"new_{n}" for n in files.input_names[1:]))
+    # The decode graph: same inputs and outputs, S fixed at 1, the decode candidates.
+    assert files.decode == decode_path(files.main) and files.decode.exists()
+    assert set(tract_check.read_decisions(files.decode).values()) == {"matmul_step", "portable"}
+    assert "chunked" in tract_check.read_decisions(files.main).values()
+
+
+def test_last_position_logits_and_an_empty_past(tmp_path):
+    model = tiny_model("olmo_hybrid")
+    files = export_generator(model, tmp_path / "o.nnef.tgz", decode=False)
+    runnable = tract_check.load(files.main)
+    generator = Generator(files.main)
+    ids = np.array([_prompt(5)], dtype=np.int64)
+    logits = runnable.run([ids, *generator.zero_states])[0].to_numpy()
+    assert logits.shape == (1, 1, model.config.vocab_size)
+    with torch.no_grad():
+        want = model(input_ids=torch.from_numpy(ids)).logits[0, -1].numpy()
+    assert np.abs(logits[0, 0] - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_all_positions_on_request(tmp_path):
+    model = tiny_model("lfm2")
+    files = export_generator(model, tmp_path / "l.nnef.tgz", decode=False, all_logits=True)
+    ids = np.array([_prompt(6)], dtype=np.int64)
+    logits = tract_check.load(files.main).run([ids, *Generator(files.main).zero_states])
+    assert logits[0].to_numpy().shape == (1, 6, model.config.vocab_size)
+
+
+def test_models_that_cannot_generate_from_one_artifact_are_refused(tmp_path):
+    with pytest.raises(UnsupportedModel, match="does not compute for every S >= 1"):
+        export_generator(tiny_model("lara_mini"), tmp_path / "l.nnef.tgz")  # sliding window
+    with pytest.raises(ExportRefused, match="data-dependent size"):
+        export_generator(tiny_model("glm5_next"), tmp_path / "g.nnef.tgz")  # sparse indexer
+
+
+@pytest.mark.slow
+def test_cli_export_then_generate_with_check(tmp_path, capsys):
+    path = tmp_path / "kimi.nnef.tgz"
+    assert main(["export", "--family", "kimi_linear", "--out", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "tract generate vs transformers: every token equal" in out
+    assert out.rstrip().endswith("OK")
+    prompt = ",".join(map(str, _prompt(9)))
+    assert main(["generate", "--nnef", str(path), "--prompt-ids", prompt,
+                 "--max-new-tokens", "12", "--check", "--family", "kimi_linear"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens: " in out and "tokens/s" in out and out.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-ids", "1,x"], "--prompt-ids must be integers"),
+    (["--prompt-ids", ""], "--prompt-ids is empty"),
+    (["--prompt-ids", "1,2", "--check"], "--check needs the model"),
+])
+def test_cli_generate_refuses_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
+    nnef = tmp_path / "missing.nnef.tgz"
+    assert main(["generate", "--nnef", str(nnef), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
