@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Optional
 
 import torch
@@ -86,7 +88,49 @@ def gated_delta_scan(
 ) -> tuple[Tensor, Tensor]:
     """Gated delta rule over the whole sequence: one op for the unrolled loop."""
     check_scan_operands(q, k, v, g, beta, initial_state)
-    return _scan_math(q, k, v, g, beta, initial_state, scale=scale, qk_l2norm=qk_l2norm)
+    kernel = _scan_fast if FAST_KERNEL.on else _scan_math
+    return kernel(q, k, v, g, beta, initial_state, scale=scale, qk_l2norm=qk_l2norm)
+
+
+class _Switch(threading.local):
+    on = False
+
+
+FAST_KERNEL = _Switch()
+
+
+@contextlib.contextmanager
+def fast_scan_kernel():
+    """Within this block the eager gated_delta_scan runs ``_scan_fast``: the same steps with
+    matmul readouts and in-place state updates (no [Dk, Dv] temporaries), equal up to
+    rounding. The default kernel is ``_scan_math``, bit-identical to transformers' recurrent
+    rule (what reify's exact mode promises); translation validation, which compares within
+    a tolerance and runs the op on every fusion, uses this one."""
+    before, FAST_KERNEL.on = FAST_KERNEL.on, True
+    try:
+        yield
+    finally:
+        FAST_KERNEL.on = before
+
+
+def _scan_fast(q, k, v, g, beta, initial_state, *, scale, qk_l2norm):
+    work = torch.promote_types(torch.float32, scan_out_dtype(q, initial_state))
+    q2, k2, v2, g2, b2 = (x.to(work) for x in (q, k, v, g, beta))
+    if qk_l2norm:
+        q2, k2 = l2norm(q2), l2norm(k2)
+    groups = v.shape[2] // q.shape[2]
+    q2 = q2.repeat_interleave(groups, dim=2) * scale
+    k2 = k2.repeat_interleave(groups, dim=2)
+    decay = g2.exp() if g2.dim() == 4 else g2.exp().unsqueeze(-1)  # [B, T, H, Dk or 1]
+    state = initial_state.to(work).clone()
+    out = v2.new_empty(v2.shape)
+    for t in range(v.shape[1]):
+        state.mul_(decay[:, t].unsqueeze(-1))
+        kv = (k2[:, t].unsqueeze(-2) @ state).squeeze(-2)
+        delta = (v2[:, t] - kv) * b2[:, t].unsqueeze(-1)
+        state.addcmul_(k2[:, t].unsqueeze(-1), delta.unsqueeze(-2))
+        out[:, t] = (q2[:, t].unsqueeze(-2) @ state).squeeze(-2)
+    return out.to(scan_out_dtype(q, initial_state)), state.to(initial_state.dtype)
 
 
 @gated_delta_scan.register_fake

@@ -44,6 +44,16 @@ def test_tract_generates_what_transformers_generates(tmp_path, family):
         assert len(result.tokens) == 64
 
 
+def test_a_tied_lm_head_generates_exactly(tmp_path):
+    # The tied head is rewritten as a matmul of the transposed embedding (lowering/fixes.py,
+    # so that tract packs it once); the tokens must not change.
+    model = tiny_model("qwen3_5", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    files = export_generator(model, tmp_path / "tied.nnef.tgz")
+    found = check_generation(model, Generator(files.main, files.decode).generate(_prompt(), 24))
+    assert found.ok, str(found)
+
+
 def test_the_artifact_declares_symbolic_lengths_and_the_contract_order(tmp_path):
     model = tiny_model("qwen3_5")
     files = export_generator(model, tmp_path / "q.nnef.tgz")

@@ -147,3 +147,27 @@ def test_opcheck_catches_a_wrong_fake_kernel():
             torch.library.opcheck(scan, args)
     finally:
         del lib
+
+
+@pytest.mark.parametrize("kda, groups, l2norm", [(False, 1, True), (True, 2, False), (False, 2, False)])
+def test_the_fast_eager_kernel_computes_the_reference(kda, groups, l2norm):
+    """The kernel translation validation runs agrees with the float64 reference."""
+    from gdn_fx.ops import fast_scan_kernel
+    from gdn_fx.reference import l2norm as norm, recurrent_delta_rule_reference
+
+    gen = torch.Generator().manual_seed(3)
+    b, t, hk, dk, dv = 2, 9, 2, 5, 3
+    hv = hk * groups
+    q, k = (torch.randn(b, t, hk, dk, generator=gen) for _ in range(2))
+    v = torch.randn(b, t, hv, dv, generator=gen)
+    g = -torch.rand(b, t, hv, *((dk,) if kda else ()), generator=gen)
+    beta, s0 = torch.rand(b, t, hv, generator=gen), torch.randn(b, hv, dk, dv, generator=gen)
+    with fast_scan_kernel():
+        out, final = torch.ops.gdn_fx.gated_delta_scan(q, k, v, g, beta, s0, scale=0.4,
+                                                       qk_l2norm=l2norm)
+    q64, k64 = (norm(x.double()) if l2norm else x.double() for x in (q, k))
+    want, want_final = recurrent_delta_rule_reference(q64, k64, v.double(), g.double(),
+                                                      beta.double(), scale=0.4,
+                                                      initial_state=s0.double())
+    assert torch.allclose(out.double(), want, atol=1e-5)
+    assert torch.allclose(final.double(), want_final, atol=1e-5)
