@@ -18,7 +18,7 @@ from nnef_tools.model import Tensor as NTensor
 from torch_to_nnef.op.fragment import Fragment
 
 from gdn_fx.lowering.facts import ScanFacts
-from gdn_fx.lowering.fragments import generated
+from gdn_fx.lowering.fragment_files import generated
 from gdn_fx.lowering.nnef_emit import NUMPY, EmitContext, promote
 
 L2NORM_EPS = 1e-6  # HF's use_qk_l2norm_in_kernel eps (the op contract's)

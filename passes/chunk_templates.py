@@ -76,7 +76,12 @@ class _Rule(torch.nn.Module):
                        output_final_state=True, use_qk_l2norm_in_kernel=False)
 
 
-@functools.cache
+# A template is ~900 traced nodes per (shape, form); a model has a few shapes (one per layer
+# kind), so a handful of entries covers it and a long-running process does not grow.
+TEMPLATE_CACHE = 16
+
+
+@functools.lru_cache(maxsize=TEMPLATE_CACHE)
 def chunk_template(shape: ChunkShape, form: str) -> Pattern:
     """The template for ``shape``, traced in ``form`` ("training", "functional" or "core")."""
     fn = SOURCES[shape.kind]()
@@ -90,7 +95,7 @@ def chunk_template(shape: ChunkShape, form: str) -> Pattern:
     return Pattern(f"chunk_{shape.kind}", graph, outputs, anchor="out")
 
 
-@functools.cache
+@functools.lru_cache(maxsize=TEMPLATE_CACHE)
 def template_scale(shape: ChunkShape) -> float:
     """The factor the cut template applies to q itself, measured by running it: 1.0 (the
     function scales q before padding, in the prologue) or Dk ** -0.5 (after padding: KDA, and

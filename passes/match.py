@@ -13,9 +13,7 @@ index (the timestep), which the caller checks against the loop.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -136,12 +134,23 @@ def _all_args(node: fx.Node) -> dict:
 
 
 class _Walk:
-    """One attempt to match ``pattern`` with its anchor at a graph node."""
+    """One attempt to match ``pattern`` with its anchor at a graph node.
+
+    The walk is a recursive descent written as generators: each step yields the sub-walks it
+    needs and ``_drive`` runs them on an explicit stack, so a template with paths of ~1,500
+    nodes needs no deeper Python recursion (NoMatch travels up the stack as an exception).
+    """
 
     def __init__(self, pattern: Pattern):
         self.m = Match(pattern)
 
     def node(self, p: fx.Node, n: Any) -> None:
+        """Match pattern node ``p`` at graph node ``n``; raises NoMatch."""
+        _drive(self._node(p, n))
+
+    def _node(self, p: fx.Node, n: Any):
+        """None when ``p`` is settled at once, else the walk of its arguments (a generator);
+        only nodes with arguments to walk cost a generator."""
         if p.op == "placeholder":
             return self._bind(p, n)
         if not isinstance(n, fx.Node) or n.op != "call_function":
@@ -155,8 +164,7 @@ class _Walk:
         if n.target != p.target:
             raise NoMatch(f"expected {op_name(p.target)}, found {op_name(n.target)}", node=n)
         self.m.nodes[p] = n
-        self._args(p, n)
-        return None
+        return self._args(p, n)
 
     def _bind(self, p: fx.Node, n: Any) -> None:
         old = self.m.nodes.get(p)
@@ -166,7 +174,7 @@ class _Walk:
         self.m.nodes[p] = n
         self.m.bindings[p.target] = n
 
-    def _args(self, p: fx.Node, n: fx.Node) -> None:
+    def _args(self, p: fx.Node, n: fx.Node):
         if len(p.args) == len(n.args) and p.kwargs.keys() == n.kwargs.keys():
             p_args, n_args = _spelled_args(p), _spelled_args(n)  # the common, cheap case
         else:
@@ -174,39 +182,43 @@ class _Walk:
         if p_args.keys() != n_args.keys():
             raise NoMatch(f"{op_name(n.target)} takes other arguments than the pattern", node=n)
         for name in [k for k in p_args if k not in ("self", "other")]:
-            self._arg(p, n, name, p_args[name], n_args[name])
+            yield self._arg(p, n, name, p_args[name], n_args[name])
         if p.target in COMMUTATIVE:
-            return self._commutative(p, n, p_args, n_args)
+            yield self._commutative(p, n, p_args, n_args)
+            return
         for name in [k for k in p_args if k in ("self", "other")]:
-            self._arg(p, n, name, p_args[name], n_args[name])
-        return None
+            yield self._arg(p, n, name, p_args[name], n_args[name])
 
-    def _commutative(self, p: fx.Node, n: fx.Node, p_args: dict, n_args: dict) -> None:
+    def _commutative(self, p: fx.Node, n: fx.Node, p_args: dict, n_args: dict):
         """Operands in the written order, else swapped (``a * b`` is ``b * a``)."""
         saved = _snapshot(self.m)
         try:
-            self._arg(p, n, "self", p_args["self"], n_args["self"])
-            self._arg(p, n, "other", p_args["other"], n_args["other"])
+            yield self._arg(p, n, "self", p_args["self"], n_args["self"])
+            yield self._arg(p, n, "other", p_args["other"], n_args["other"])
         except NoMatch as first:
             _restore(self.m, saved)
             try:
-                self._arg(p, n, "other", p_args["self"], n_args["other"])
-                self._arg(p, n, "self", p_args["other"], n_args["self"])
+                yield self._arg(p, n, "other", p_args["self"], n_args["other"])
+                yield self._arg(p, n, "self", p_args["other"], n_args["self"])
             except NoMatch:
                 raise first from None
 
-    def _arg(self, p: fx.Node, n: fx.Node, name: str, pa: Any, na: Any) -> None:
+    def _arg(self, p: fx.Node, n: fx.Node, name: str, pa: Any, na: Any):
+        """Like ``_node``: None when settled (a literal), else a walk to finish."""
         if isinstance(pa, fx.Node):
-            return self.node(pa, na)
+            return self._node(pa, na)
         if isinstance(na, fx.Node):
             raise NoMatch(f"{op_name(n.target)} {name} is a tensor, expected {pa!r}", node=n)
         if isinstance(pa, (list, tuple)) and any(isinstance(x, fx.Node) for x in pa):
             if not isinstance(na, (list, tuple)) or len(pa) != len(na):
                 raise NoMatch(f"{op_name(n.target)} {name} has another length", node=n)
-            for x, y in zip(pa, na):
-                self._arg(p, n, name, x, y)
-            return None
-        return self._literal(p, n, name, pa, na)
+            return self._items(p, n, name, pa, na)
+        self._literal(p, n, name, pa, na)
+        return None
+
+    def _items(self, p: fx.Node, n: fx.Node, name: str, pa: Any, na: Any):
+        for x, y in zip(pa, na):
+            yield self._arg(p, n, name, x, y)
 
     def _literal(self, p: fx.Node, n: fx.Node, name: str, pa: Any, na: Any) -> None:
         if n.target is SELECT and name == "index" and self.m.pattern.select_index_is_time:
@@ -224,6 +236,31 @@ class _Walk:
             self.m.defects.append((f"{op_name(n.target)} {name}={na!r}, expected {pa!r}", n))
 
 
+def _drive(walk) -> None:
+    """Run a generator-coded walk: each yielded value is a sub-walk (a generator, or None when
+    the step finished without one) to finish before the yielding walk resumes; a NoMatch
+    raised by a sub-walk is thrown into the walk that asked for it."""
+    if walk is None or not hasattr(walk, "send"):
+        return
+    stack, error = [walk], None
+    while stack:
+        try:
+            sub = stack[-1].throw(error) if error is not None else next(stack[-1])
+        except StopIteration:
+            stack.pop()
+            error = None
+            continue
+        except NoMatch as raised:
+            stack.pop()
+            if not stack:
+                raise
+            error = raised
+            continue
+        error = None
+        if sub is not None and hasattr(sub, "send"):
+            stack.append(sub)
+
+
 def _same_float(a: Any, b: Any) -> bool:
     return isinstance(a, float) and isinstance(b, float) and abs(a - b) <= 1e-12 * max(1, abs(a))
 
@@ -239,28 +276,15 @@ def match_at(pattern: Pattern, anchor: fx.Node, complete: bool = False) -> Match
     """
     walk = _Walk(pattern)
     try:
-        with _deep_recursion(len(pattern.graph.nodes)):
-            walk.node(pattern.outputs[pattern.anchor], anchor)
+        walk.node(pattern.outputs[pattern.anchor], anchor)
     except NoMatch as err:
         err.partial = walk.m
         raise
     missing = [p for p in pattern.graph.nodes if p.op == "call_function" and p not in walk.m.nodes]
     if missing and not complete:  # unreachable from the anchor: a pattern bug, not a graph one
         raise AssertionError(f"pattern {pattern.name}: {missing} unreachable from the anchor")
-    with _deep_recursion(len(pattern.graph.nodes)):
-        walk.m.missing = _complete_forward(walk, missing)
+    walk.m.missing = _complete_forward(walk, missing)
     return walk.m
-
-
-@contextlib.contextmanager
-def _deep_recursion(nodes: int):
-    """The walk recurses once per node along a path; templates have paths of ~1,500 nodes."""
-    old = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old, 8 * nodes + 1000))
-    try:
-        yield
-    finally:
-        sys.setrecursionlimit(old)
 
 
 def _complete_forward(walk: _Walk, missing: list) -> list:

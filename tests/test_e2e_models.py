@@ -4,7 +4,7 @@ model -> DecodeStep -> torch.export -> gdn_fx.collapse -> gdn_fx.export_nnef -> 
 output (logits and each new state) against the eager step (transformers' own functions).
 Then prefill: collapsed at a fixed length, and reified with a symbolic length ``S`` checked at
 several lengths. Then, on small synthetic programs, each route-around in
-gdn_fx.lowering.fixes / traced_sizes that no whole family below exercises, and the refusals.
+gdn_fx.lowering.t2n.fixes / traced_sizes that no whole family below exercises, and the refusals.
 """
 
 import functools
@@ -19,8 +19,8 @@ import gdn_fx
 from gdn_fx import tract_check
 from gdn_fx.errors import ExportRefused
 from gdn_fx.hf import DecodeStep, check_dynamic, export_nnef_dynamic, prepare_for_nnef, tiny_model
-from gdn_fx.lowering import program as prog
-from gdn_fx.lowering.dynamic_axes import refuse_frozen_axes
+from gdn_fx.lowering.t2n import program as prog
+from gdn_fx.lowering.t2n.dynamic_axes import refuse_frozen_axes
 
 pytestmark = pytest.mark.slow  # whole-model exports; they still run by default
 

@@ -45,7 +45,7 @@ def test_tract_generates_what_transformers_generates(tmp_path, family):
 
 
 def test_a_tied_lm_head_generates_exactly(tmp_path):
-    # The tied head is rewritten as a matmul of the transposed embedding (lowering/fixes.py,
+    # The tied head is rewritten as a matmul of the transposed embedding (lowering/t2n/fixes.py,
     # so that tract packs it once); the tokens must not change.
     model = tiny_model("qwen3_5", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight

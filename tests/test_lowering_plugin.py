@@ -11,16 +11,16 @@ from importlib.metadata import entry_points
 import torch
 from nnef_tools.model import Tensor as NTensor
 
-import gdn_fx.lowering.t2n_plugin  # noqa: F401  (registers the handlers)
+import gdn_fx.lowering.t2n.plugin  # noqa: F401  (registers the handlers)
 from gdn_fx import tract_check
 from gdn_fx.lowering import emit_native_gdn_recurrent
-from gdn_fx.lowering.offline_target import offline_tract_target
+from gdn_fx.lowering.t2n.offline_target import offline_tract_target
 from lowering_programs import SCAN, scan_inputs
 
 
 def test_entry_point_names_the_plugin():
     found = {ep.name: ep.value for ep in entry_points(group="torch_to_nnef.extras")}
-    assert found.get("gdn_fx") == "gdn_fx.lowering.t2n_plugin"
+    assert found.get("gdn_fx") == "gdn_fx.lowering.t2n.plugin"
 
 
 def test_handlers_sit_beside_torch_to_nnef_own_gdn_handler():
@@ -34,10 +34,10 @@ DIRECT_USE = """
 import sys, tempfile, pathlib, torch
 import torch_to_nnef.op.extras  # torch-to-nnef's own handlers, gated_delta_scan included
 from torch_to_nnef.export import export_model_to_nnef
-import gdn_fx.lowering.bridge  # defines torch.ops.t2n_extra.gdn_fx_* (handlers not loaded)
-from gdn_fx.lowering.offline_target import offline_tract_target
+import gdn_fx.lowering.t2n.bridge  # defines torch.ops.t2n_extra.gdn_fx_* (handlers not loaded)
+from gdn_fx.lowering.t2n.offline_target import offline_tract_target
 from gdn_fx import tract_check
-assert "gdn_fx.lowering.t2n_plugin" not in sys.modules
+assert "gdn_fx.lowering.t2n.plugin" not in sys.modules
 
 class Direct(torch.nn.Module):
     def forward(self, x, state, weight):
@@ -50,7 +50,7 @@ with torch.inference_mode():
     written = export_model_to_nnef(Direct(), args, path, offline_tract_target("0.23.9"),
                                    input_names=["x", "state", "weight"], compression_level=None,
                                    discover_extra_entrypoints=True)
-assert "gdn_fx.lowering.t2n_plugin" in sys.modules
+assert "gdn_fx.lowering.t2n.plugin" in sys.modules
 text = tract_check.nnef_text(written)
 # "auto": the handler decides by the table; f32 K=4 at S=3 takes the depthwise-conv form
 assert "gdn_fx_conv_update_dw_k4_silu" in text, text

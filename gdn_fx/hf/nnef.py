@@ -10,7 +10,7 @@ Why the dynamic export goes through :func:`~gdn_fx.hf.reify` and not through col
 program exported at a fixed length (even collapsed) holds that length as literals in every
 reshape, slice and arange, so no NNEF symbol can stand for it. Reified, the model exports with
 ``torch.export`` and a dynamic sequence dim (the per-token loops are gone), and its sizes stay
-symbolic computations all the way into the NNEF (gdn_fx.lowering.traced_sizes).
+symbolic computations all the way into the NNEF (gdn_fx.lowering.t2n.traced_sizes).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ So the graph is copied into a fresh ``GraphModule``: positional tensor inputs, a
 of outputs, parameters and buffers as attributes, no guard call. The caller's program is
 never modified. Example inputs for the trace are made from the placeholders' ``meta["val"]``.
 Symbolic sizes of a program exported with dynamic dims are respelled so that the trace keeps
-them as computations (``gdn_fx.lowering.traced_sizes``).
-The rewrites torch-to-nnef and tract need before tracing live in ``gdn_fx.lowering.fixes``.
+them as computations (``gdn_fx.lowering.t2n.traced_sizes``).
+The rewrites torch-to-nnef and tract need before tracing live in ``gdn_fx.lowering.t2n.fixes``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from gdn_fx.errors import DTypeError, UnsupportedProgram
 from gdn_fx.lowering.facts import static_dim
-from gdn_fx.lowering.traced_sizes import trace_sizes
+from gdn_fx.lowering.t2n.traced_sizes import trace_sizes
 
 Program = Union[torch.export.ExportedProgram, fx.GraphModule]
 

@@ -1,0 +1,85 @@
+"""The lowering's one entry point: a program with fused gdn_fx nodes -> an NNEF file.
+
+``write_nnef`` owns the sequence, in this order: make the program traceable by torch-to-nnef
+(t2n/program.py), refuse what tract cannot run right (bfloat16; dynamic axes the program cannot
+follow, t2n/dynamic_axes.py), apply the fixes (t2n/fixes.py), plan one candidate per fused node
+(plan.py over table.py), turn the fused nodes into bridge ops that carry their candidate
+(t2n/bridge.py), and trace and write with torch-to-nnef, whose extension handlers
+(t2n/plugin.py) emit each candidate.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+from gdn_fx.lowering.plan import plan, summary
+from gdn_fx.lowering.t2n import program as prog
+from gdn_fx.lowering.t2n.bridge import to_bridge
+from gdn_fx.lowering.t2n.dynamic_axes import frozen_axes, refuse_frozen_axes
+from gdn_fx.lowering.t2n.fixes import apply_fixes
+from gdn_fx.lowering.t2n.offline_target import offline_tract_target
+from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE, Target
+
+PLUGIN = "gdn_fx.lowering.t2n.plugin"
+
+
+def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9",
+               dynamic_axes: Optional[Mapping] = None,
+               input_names: Optional[Sequence[str]] = None,
+               output_names: Optional[Sequence[str]] = None,
+               choose: Optional[Mapping] = None,
+               symbol_min: Optional[Mapping[str, int]] = None) -> Path:
+    """Write ``program`` as tract NNEF; the arguments are ``gdn_fx.export_nnef``'s."""
+    path = Path(path)
+    writer_path, compression = _writer_settings(path)
+    module = prog.traceable_module(program)
+    names = list(input_names) if input_names is not None else prog.input_names(module)
+    # Sizes may differ from the traced ones at run time only where a declared dynamic axis is
+    # static in the program; axes the program holds symbolic are vouched for by torch.export,
+    # and its static sizes then stay what they are (a decode graph's S = 1 beside a symbolic P).
+    target = Target.parse(tract_version, dynamic=bool(frozen_axes(module, dynamic_axes, names)))
+    prog.refuse_bfloat16(module)
+    apply_fixes(module)
+    if dynamic_axes:
+        refuse_frozen_axes(module, dynamic_axes, names)
+    decisions = plan(module, target, choose)  # logs every decision and rejection
+    to_bridge(module, {d.node: d.candidate for d in decisions})
+    return _write(module, writer_path, compression, target, dynamic_axes, decisions,
+                  names, list(output_names) if output_names else None, symbol_min or {})
+
+
+def _writer_settings(path: Path) -> tuple[Path, Optional[int]]:
+    """(path handed to torch-to-nnef, compression level) for a folder, .tar or .tgz target."""
+    name = path.name
+    if name.endswith(".nnef"):
+        return path, None
+    if name.endswith(".nnef.tgz"):
+        return path, 0
+    if name.endswith(".nnef.tar"):
+        return path.with_name(name[: -len(".tar")]), 0
+    raise ValueError(f"NNEF path {path} must end with .nnef (a folder), .nnef.tar or .nnef.tgz")
+
+
+def _write(module, writer_path: Path, compression: Optional[int], target: Target,
+           dynamic_axes, decisions, input_names: list, output_names: Optional[list],
+           symbol_min: Mapping[str, int]) -> Path:
+    """Trace the bridged module with torch-to-nnef (offline target) and write the NNEF."""
+    from torch_to_nnef.export import export_model_to_nnef
+
+    t2n_target = offline_tract_target(target.version_text, dynamic_axes,
+                                      {"gdn_fx_lowering": summary(decisions)})
+    setattr(t2n_target, DYNAMIC_ATTRIBUTE, target.dynamic)  # emission re-checks against it
+    # Symbols are extents (>= 1 unless told); without saying so tract keeps slower generic ops.
+    symbols = sorted({str(s) for axes in (dynamic_axes or {}).values()
+                      for s in (axes.values() if isinstance(axes, Mapping) else [])})
+    with torch.inference_mode():  # torch-to-nnef's slicing needs it
+        written = export_model_to_nnef(
+            module, prog.example_inputs(module), writer_path, t2n_target,
+            input_names=input_names, output_names=output_names, compression_level=compression,
+            log_level=logging.WARNING, load_extra_op_modules=[PLUGIN], strict_extra_imports=True,
+            custom_extensions=[f"tract_assert {s} >= {symbol_min.get(s, 1)}" for s in symbols])
+    return Path(written)
