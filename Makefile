@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine with only python3:
 #   make demo    set up .venv, then run the embedded default end to end
 #   make test    set up .venv, then run the test suite
+# `make test-fast` skips the whole-model tests (marker "slow"): the loop while developing.
 # `make bench` runs the benchmarks (bench/, prints markdown tables).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench setup
+.PHONY: demo test test-fast bench setup
 setup: $(STAMP)
 
 # torch first and pinned: pip then takes the CPU build that lies on disk, not a CUDA one.
@@ -22,6 +23,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

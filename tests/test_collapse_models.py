@@ -14,6 +14,8 @@ from gdn_fx import tract_check
 from gdn_fx.hf import DecodeStep, tiny_model
 from programs import assert_close_outputs, count_calls, run
 
+pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
+
 DECODE = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lara_mini", "kimi_linear",
           "glm5_next", "bailing_hybrid", "lfm2", "bamba"]
 

@@ -21,6 +21,8 @@ from gdn_fx.hf import tiny_model
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
 from gdn_fx.hf.generator import Generator, check_generation, decode_path, export_generator
 
+pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
+
 GENERATING = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear",
               "bailing_hybrid", "lfm2")
 
@@ -31,7 +33,6 @@ def _prompt(length: int = 37, seed: int = 1) -> list:
                          ).tolist()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", GENERATING)
 def test_tract_generates_what_transformers_generates(tmp_path, family):
     model = tiny_model(family)
@@ -98,7 +99,6 @@ def test_models_that_cannot_generate_from_one_artifact_are_refused(tmp_path):
         export_generator(tiny_model("glm5_next"), tmp_path / "g.nnef.tgz")  # sparse indexer
 
 
-@pytest.mark.slow
 def test_cli_export_then_generate_with_check(tmp_path, capsys):
     path = tmp_path / "kimi.nnef.tgz"
     assert main(["export", "--family", "kimi_linear", "--out", str(path)]) == 0

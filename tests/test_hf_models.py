@@ -10,6 +10,8 @@ from gdn_fx.hf.configs import SAFE_TOKEN_RANGE, family
 from gdn_fx.hf.patching import RULE_NAMES, modeling_modules
 from programs import max_rel, rel_err, tiny
 
+pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
+
 LINEAR_TYPES = ("linear_attention", "conv")
 DELTA_FAMILIES = [f for f in FAMILIES if family(f).mixer in ("gdn", "kda")]
 

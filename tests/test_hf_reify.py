@@ -13,6 +13,8 @@ from gdn_fx.hf.dropins import conv_fn, conv_update, make_rule
 from gdn_fx.hf.patching import RULE_NAMES, Patches, modeling_modules
 from programs import max_rel, rel_err, tiny
 
+pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
+
 SCAN = torch.ops.gdn_fx.gated_delta_scan.default
 CONV = torch.ops.gdn_fx.causal_conv1d_update.default
 DYNAMIC_FAMILIES = [f for f in FAMILIES if family(f).mixer != "mamba2"]

@@ -15,6 +15,8 @@ import gdn_fx
 from gdn_fx.diff import local_signature
 from gdn_fx.hf import DecodeStep, reify, tiny_model
 
+pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
+
 ALIASES = {torch.ops.aten.clone.default, torch.ops.aten.alias.default,
            torch.ops.aten.to.device, torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default}
 
