@@ -8,7 +8,10 @@ by gdn_fx.collapse; when collapse does not fuse it (the conv rule not registered
 causal_conv1d_update`` and the table says so. "unfused" is transformers' graph written as is
 (a plain depthwise conv). Outputs are checked against the same update in float64.
 
-    .venv/bin/python bench/bench_conv.py            # S = 1, 64
+A second table runs the update exported with a SYMBOLIC length (one NNEF per candidate, as a
+generation-ready export holds it) at S = 1, 64 and 512.
+
+    .venv/bin/python bench/bench_conv.py            # S = 1, 64; symbolic at 1, 64, 512
     .venv/bin/python bench/bench_conv.py --quick    # S = 1, 2 rounds
 """
 
@@ -132,6 +135,48 @@ def _eager_error(hf: nn.Module, x, state, want) -> float:
     return max(relative_error(g.numpy(), w) for g, w in zip(got, want))
 
 
+SYMBOLIC_LENGTHS = (1, 64, 512)
+
+
+class FusedUpdate(nn.Module):
+    """The fused op itself (what collapse or reify leaves), for a symbolic-length export."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, x, conv_state):
+        return torch.ops.gdn_fx.causal_conv1d_update(x, conv_state, self.weight, None, "silu")
+
+
+def measure_symbolic(folder: Path, rounds: int) -> list[list]:
+    """Each candidate written once with a symbolic S, run at every SYMBOLIC_LENGTHS."""
+    import gdn_fx
+    from gdn_fx import tract_check
+
+    module = FusedUpdate(torch.randn(CHANNELS, KERNEL, generator=torch.Generator().manual_seed(0)))
+    example = inputs_for(8)
+    program = torch.export.export(module, example, dynamic_shapes=(
+        {2: torch.export.Dim("S", min=1)}, None))
+    names = ("depthwise", "portable")
+    runnables = {name: tract_check.load(gdn_fx.export_nnef(
+        program, folder / f"symbolic_{name}.nnef.tgz", choose={"*": name}, input_names=NAMES,
+        output_names=OUTPUTS, dynamic_axes={"x": {2: "S"}})) for name in names}
+    rows = []
+    for seq in SYMBOLIC_LENGTHS:
+        args = inputs_for(seq)
+        arrays = common.numpy_inputs(args)
+        with torch.no_grad():
+            want = module(*args)
+        calls = {name: common.tract_call(r, arrays) for name, r in runnables.items()}
+        samples = common.interleave(calls, rounds)
+        for name in names:
+            rows.append([seq, name, common.ms(samples.median(name)),
+                         common.ratio(samples.ratio(name, "portable")),
+                         common.error_cell(common.rel_error(runnables[name], arrays, want))])
+    return rows
+
+
 def main(argv=None) -> None:
     args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
     common.silence_warnings()
@@ -151,6 +196,16 @@ def main(argv=None) -> None:
         f"ratios; fused program: {', '.join(sorted(hows))}; candidates forced with choose."))
     common.emit(common.markdown(["S", "path", "load ms", "into_runnable ms", "run ms",
                                  "run / torch eager", "rel. err vs f64"], rows))
+    common.emit("")
+    if args.quick:
+        return
+    common.emit(common.header(
+        "Conv update with a symbolic length",
+        f"the fused op exported with a symbolic S (one NNEF per candidate), C={CHANNELS}, "
+        f"K={KERNEL}, SiLU, f32, B=1, run at each S; median over {rounds} interleaved rounds; "
+        "error against the op's eager kernel (transformers' arithmetic)"))
+    common.emit(common.markdown(["S", "path", "run ms", "run / portable", "rel. err"],
+                                measure_symbolic(folder, rounds)))
     common.emit("")
 
 

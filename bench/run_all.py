@@ -30,6 +30,7 @@ SCRIPTS = (
     ("tract", "bench_tract.py"),
     ("conv", "bench_conv.py"),
     ("gdn_fast", "bench_gdn_fast.py"),
+    ("generate", "bench_generate.py"),
 )
 
 

@@ -40,6 +40,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _diff(a: Path, b: Path) -> int:
+    """The structural diff; for two saved programs also whether they compute the same (run on
+    the same random inputs, as collapse's translation validation does)."""
+    import torch
+
+    from gdn_fx.diff import graph_diff, load_graph
+    from gdn_fx.errors import UsageError
+    from gdn_fx.passes import compare_programs
+
+    for path in (a, b):
+        if not path.exists():
+            raise UsageError(f"{path} does not exist")
+    first, second = load_graph(a), load_graph(b)
+    print(graph_diff(first, second))
+    programs = all(isinstance(p, torch.export.ExportedProgram) for p in (first, second))
+    if programs:
+        reason = compare_programs(first, second)
+        print("computes the same: yes" if reason is None else f"computes the same: NO, {reason}")
+    return 0
+
+
 def _model_source(parser: argparse.ArgumentParser, required: bool) -> None:
     source = parser.add_mutually_exclusive_group(required=required)
     source.add_argument("--family", help="a built-in tiny config (see gdn_fx.hf.FAMILIES)")
@@ -71,10 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _dispatch(args) -> int:
     if args.command == "diff":
-        from gdn_fx.diff import graph_diff, load_graph
-
-        print(graph_diff(load_graph(args.a), load_graph(args.b)))
-        return 0
+        return _diff(args.a, args.b)
     from gdn_fx.pipeline import Job
 
     if args.command == "demo":

@@ -77,8 +77,10 @@ def collapse_conv_updates(graph: fx.Graph, only: Optional[set] = None
     graph, keys of the fusions made, near-misses). A key names the conv node.
 
     ``graph`` is not modified: the rewrite works on a copy (small by now: the rule runs after
-    the loops have been collapsed).
+    the loops have been collapsed), made only when the graph holds a 1-D conv at all.
     """
+    if not conv_nodes(graph):
+        return graph, [], []
     graph = copy.deepcopy(graph)
     fused, misses = [], []
     mode = None

@@ -78,3 +78,17 @@ def test_cli_export_with_a_symbolic_sequence(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "symbolic S (traced at 8)" in out and "gated_delta_scan 3/3" in out
     assert "tract at S=3:" in out and "tract at S=50:" in out and out.rstrip().endswith("OK")
+
+
+def test_cli_diff_says_whether_two_programs_compute_the_same(tmp_path, capsys):
+    program = export_form(Scan(), scan_args(), "training")
+    torch.export.save(program, tmp_path / "a.pt2")
+    torch.export.save(gdn_fx.collapse(program).program, tmp_path / "b.pt2")
+    assert main(["diff", str(tmp_path / "a.pt2"), str(tmp_path / "b.pt2")]) == 0
+    assert "computes the same: yes" in capsys.readouterr().out
+
+
+def test_cli_diff_of_a_missing_file_is_one_line(tmp_path, capsys):
+    assert main(["diff", str(tmp_path / "a.pt2"), str(tmp_path / "b.pt2")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and len(err.strip().splitlines()) == 1

@@ -124,16 +124,18 @@ def test_scan_native_or_scan_table(version, dynamic, facts, expected, fallback):
 
 CONV_TABLE = [
     # (tract version, dynamic axes, facts, default candidate, native's answer: "native" or None
-    # for a rejection). The default for every f16/f32/f64 node: "portable" for a static S = 1,
-    # "depthwise" otherwise (a longer or symbolic S).
+    # for a rejection). The default for every f16/f32/f64 node: "portable" for a static S = 1
+    # or a symbolic S (tract's conv of symbolic length is im2col + matmul, bench_conv.py),
+    # "depthwise" for a longer static S.
     ("0.23.4", False, conv(), "portable", None),
     ("0.23.5", False, conv(), "portable", "native"),  # first form: f16, K=4, one step, batch 1
     ("0.23.5", False, conv(dtype="f32"), "portable", None),
     ("0.23.5", False, conv(k=3), "portable", None),
     ("0.23.5", False, conv(s=2), "depthwise", None),
     ("0.23.5", False, conv(b=2), "portable", None),
-    ("0.23.5", True, conv(), "depthwise", None),
-    ("0.23.9", True, conv(b=2, s=9, k=3, dtype="f32"), "depthwise", "native"),
+    ("0.23.5", True, conv(), "portable", None),
+    ("0.23.9", True, conv(b=2, s=9, k=3, dtype="f32"), "portable", "native"),
+    ("0.23.9", False, conv(s=None, dtype="f32"), "portable", "native"),  # a symbolic S
     ("0.23.9", False, conv(k=2), "portable", "native"),
     ("0.23.9", False, conv(k=5), "portable", "native"),
     ("0.23.9", False, conv(k=6), "portable", None),
