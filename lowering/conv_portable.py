@@ -36,7 +36,7 @@ def suits_depthwise(facts: ConvFacts, target: Target) -> Optional[str]:
     the default for this one (None: it is)."""
     if facts.seq is None or target.dynamic:
         return ("symbolic S: tract 0.23.9 runs a depthwise conv of symbolic length as im2col "
-                "and a matmul, 9-40x slower than the multiply-adds (bench/bench_conv.py)")
+                "and a matmul, 8-52x slower than the multiply-adds (bench/bench_conv.py)")
     if facts.seq == 1:
         return "S = 1: the multiply-add form is faster for one step (bench/bench_conv.py)"
     return None

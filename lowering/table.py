@@ -15,7 +15,7 @@ B=1, 16 heads of 128; bench/bench_conv.py: 6144 channels, K=4). By shape class:
 - gated_delta_scan, KDA gates or qk_l2norm=False: "matmul" (a loop of matmul steps);
 - causal_conv1d_update, static S = 1 or symbolic S: "portable" (K multiply-adds; ~2x faster
   than the native operator, 1.7-2x faster than "depthwise" at S = 1; with a symbolic S tract
-  runs its conv as im2col + matmul, 9-40x slower than the multiply-adds at S = 1..512);
+  runs its conv as im2col + matmul, 8-52x slower than the multiply-adds at S = 1..512);
 - causal_conv1d_update, longer static S: "depthwise" (tract's conv kernel; 2-10x faster
   than "portable", whose time at S = 64 swings between 1.5 and 9 ms from run to run, and ~9x
   faster than the native operator).

@@ -122,3 +122,12 @@ def test_cli_generate_refuses_bad_arguments_in_one_line(tmp_path, capsys, argv, 
     assert main(["generate", "--nnef", str(nnef), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_exports_a_checkpoint_folder(tmp_path, capsys):
+    folder = tmp_path / "checkpoint"
+    tiny_model("lfm2", seed=3).save_pretrained(folder)  # config.json + weights, no tokenizer
+    path = tmp_path / "lfm2.nnef.tgz"
+    assert main(["export", "--model", str(folder), "--out", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "lfm2 from" in out and "every token equal" in out and out.rstrip().endswith("OK")
