@@ -138,17 +138,6 @@ def _eager_error(hf: nn.Module, x, state, want) -> float:
 SYMBOLIC_LENGTHS = (1, 64, 512)
 
 
-class FusedUpdate(nn.Module):
-    """The fused op itself (what collapse or reify leaves), for a symbolic-length export."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-
-    def forward(self, x, conv_state):
-        return torch.ops.gdn_fx.causal_conv1d_update(x, conv_state, self.weight, None, "silu")
-
-
 def measure_symbolic(folder: Path, rounds: int) -> list[list]:
     """Each candidate written once with a symbolic S, run at every SYMBOLIC_LENGTHS."""
     import gdn_fx
