@@ -10,6 +10,7 @@ peak (a 512 x 1024 x 4096 product in tract) for prefill.
 
     .venv/bin/python bench/bench_generate.py              # the 0.8B shape (~15 min)
     .venv/bin/python bench/bench_generate.py --quick      # 4 layers, vocab 32k (~2 min)
+    .venv/bin/python bench/bench_generate.py --formats f16   # only the f16 artifact
 """
 
 from __future__ import annotations
@@ -37,10 +38,15 @@ QUICK = dict(SHAPE, vocab_size=32000, num_hidden_layers=4, layer_types=[LIN, LIN
 PAST, PREFILL, DECODE_STEPS = 512, 512, 8
 
 
-def build(shape: dict):
+FORMATS = {"f32": "float32", "f16": "float16"}  # the artifact's weights and compute
+
+
+def build(shape: dict, dtype: str = "float32"):
+    import torch
+
     from gdn_fx.hf import tiny_model
 
-    return tiny_model("qwen3_5", **shape)
+    return tiny_model("qwen3_5", dtype=getattr(torch, dtype), **shape)
 
 
 # --- what each subprocess runs ------------------------------------------------------------
@@ -151,59 +157,77 @@ def _child(kind: str, *args: str) -> dict:
 def main(argv=None) -> None:
     import torch
 
-    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
+    parser = common.parser(__doc__.splitlines()[0])
+    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    args = parser.parse_args(argv)
     common.silence_warnings()
     torch.set_num_threads(1)
     shape = QUICK if args.quick else SHAPE
     rounds = common.rounds_for(args, full=2, quick=1)
     folder = Path(args.workdir or tempfile.mkdtemp(prefix="gdn_fx_gen_"))
-    from gdn_fx.hf.generator import export_generator
-
-    model = build(shape)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # Prefill matmuls: every weight but the embedding table once per token (the tied head
-    # runs on the last position only); attention's own S^2 terms are small at S = 512.
-    embedding = model.get_input_embeddings().weight.numel()
-    flops_per_token = 2 * (sum(p.numel() for p in model.parameters()) - embedding)
-    start = time.perf_counter()
-    files = export_generator(model, folder / "model.nnef.tgz")
-    export_s = time.perf_counter() - start
-    del model
-    sizes = sum(p.stat().st_size for p in (files.main, files.decode) if p is not None)
-    measured = {"gdn-fx artifact in tract (f32)": [], "torch eager (f32)": []}
+    artifacts, notes = {}, []
+    for fmt in args.formats:
+        artifacts[fmt] = _export(shape, fmt, folder)
+        notes.append(f"{fmt}: decode graph "
+                     f"{'written' if artifacts[fmt]['decode'] else 'none'}")
+    measured = {f"gdn-fx artifact in tract ({fmt})": [] for fmt in artifacts}
+    measured["torch eager (f32)"] = []
     for _ in range(rounds):
-        measured["gdn-fx artifact in tract (f32)"].append(
-            _child("run_tract", str(files.main), str(files.decode or "")))
+        for fmt, art in artifacts.items():
+            measured[f"gdn-fx artifact in tract ({fmt})"].append(
+                _child("run_tract", art["main"], art["decode"]))
         measured["torch eager (f32)"].append(_child("run_torch", shape))
     bw, peak = bandwidth(), tract_matmul_peak(folder)
-    decode_floor = weight_bytes / bw
-    prefill_floor = flops_per_token * PREFILL / peak
+    flops = artifacts[args.formats[0]]["flops_per_token"] * PREFILL
     rows = []
     for name, runs in measured.items():
+        fmt = next((f for f in artifacts if f"({f})" in name and "tract" in name), None)
+        art = artifacts.get(fmt, {})
+        weights = art["weight_bytes"] if art else artifacts[args.formats[0]]["params"] * 4
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        tract_row = "tract" in name
-        rows.append([name, common.ms(med["decode"]), common.ratio(med["decode"] / decode_floor),
-                     common.ms(med["prefill"]), common.ratio(med["prefill"] / prefill_floor),
-                     f"{export_s:.0f} s" if tract_row else "-",
-                     common.human_bytes(sizes) if tract_row else "-",
-                     f"{med['load']:.1f} s" if tract_row else "-",
+        rows.append([name, common.ms(med["decode"]), common.ratio(med["decode"] * bw / weights),
+                     common.ms(med["prefill"]), common.ratio(med["prefill"] * peak / flops),
+                     f"{art['export']:.0f} s" if art else "-",
+                     common.human_bytes(art["nnef"]) if art else "-",
+                     f"{med['load']:.1f} s" if art else "-",
                      common.human_bytes(int(med["peak_rss"]))])
+    first = artifacts[args.formats[0]]
     common.emit(common.header(
         "Whole-model generation: gdn-fx artifact in tract vs torch eager",
         f"Qwen3.5-shaped model ({sum(1 for t in shape['layer_types'] if t == LIN)} GDN + "
         f"{sum(1 for t in shape['layer_types'] if t == FULL)} attention layers, hidden "
-        f"{shape['hidden_size']}, vocab {shape['vocab_size']}, {weight_bytes / 4e6:.0f} M "
-        f"params, f32, tied), one thread; decode = median ms per token after {PAST} cached "
-        f"tokens; prefill = {PREFILL} tokens from an empty cache; each engine in its own "
-        f"process, {rounds} round(s)"))
+        f"{shape['hidden_size']}, vocab {shape['vocab_size']}, {first['params'] / 1e6:.0f} M "
+        f"params, tied, random weights), one thread; decode = median ms per token after "
+        f"{PAST} cached tokens; prefill = {PREFILL} tokens from an empty cache; each engine in "
+        f"its own process, {rounds} round(s); floors per row: the row's weight bytes / memory "
+        "bandwidth (decode), matmul FLOPs / tract's matmul peak (prefill)"))
     common.emit(common.markdown(
         ["path", "decode ms/token", "/ floor", f"prefill ms (S={PREFILL})", "/ floor",
          "export", "NNEF (both graphs)", "load", "peak RSS"], rows))
-    common.emit(f"\nFloors: decode {decode_floor * 1e3:.0f} ms = {weight_bytes / 1e9:.2f} GB of "
-                f"weights / {bw / 1e9:.1f} GB/s (one thread); prefill "
-                f"{prefill_floor * 1e3:.0f} ms = {flops_per_token * PREFILL / 1e12:.2f} TFLOP / "
-                f"{peak / 1e9:.1f} GFLOP/s (tract's matmul, one thread). Decode graph: "
-                f"{'written' if files.decode else 'none: ' + files.decode_note}.\n")
+    common.emit(f"\nFloors measured in this run: memory bandwidth {bw / 1e9:.1f} GB/s (one thread; "
+                f"f32 weights {first['params'] * 4 / 1e9:.2f} GB: decode floor "
+                f"{first['params'] * 4 / bw * 1e3:.0f} ms), tract's matmul "
+                f"{peak / 1e9:.1f} GFLOP/s (prefill floor {flops / peak * 1e3:.0f} ms). "
+                f"{'; '.join(notes)}.\n")
+
+
+def _export(shape: dict, fmt: str, folder: Path) -> dict:
+    """Build the model in ``fmt`` and write its generation-ready artifact; what was written."""
+    from gdn_fx.hf.generator import export_generator
+
+    model = build(shape, FORMATS[fmt])
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    start = time.perf_counter()
+    files = export_generator(model, folder / f"model_{fmt}.nnef.tgz")
+    seconds = time.perf_counter() - start
+    size = next(model.parameters()).element_size()
+    written = [p for p in (files.main, files.decode) if p is not None]
+    # Prefill matmuls: every weight but the embedding table once per token (the tied head
+    # runs on the last position only); attention's own S^2 terms are small at S = 512.
+    return dict(main=str(files.main), decode=str(files.decode or ""), export=seconds,
+                nnef=sum(p.stat().st_size for p in written), params=params, dtype_bytes=size,
+                weight_bytes=params * size, flops_per_token=2 * (params - embedding))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ follow, t2n/dynamic_axes.py), apply the fixes (t2n/fixes.py), plan one candidate
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
@@ -64,6 +66,23 @@ def _writer_settings(path: Path) -> tuple[Path, Optional[int]]:
     raise ValueError(f"NNEF path {path} must end with .nnef (a folder), .nnef.tar or .nnef.tgz")
 
 
+T2N_RECURSION = 50_000
+
+
+@contextlib.contextmanager
+def _deep_graph_walks():
+    """torch-to-nnef 0.24.12 walks each dynamic value's users recursively
+    (``nnef_graph.forward_clean_values_for_dyn_axes``): a 24-layer Qwen3.5-sized model in f16
+    with symbolic S and P needs more than Python's default 1000 frames. Those are pure-Python
+    frames: from Python 3.11 on they take no C stack, so a high limit for the call is safe."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, T2N_RECURSION))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
 def _write(module, writer_path: Path, compression: Optional[int], target: Target,
            dynamic_axes, decisions, input_names: list, output_names: Optional[list],
            symbol_min: Mapping[str, int]) -> Path:
@@ -76,7 +95,7 @@ def _write(module, writer_path: Path, compression: Optional[int], target: Target
     # Symbols are extents (>= 1 unless told); without saying so tract keeps slower generic ops.
     symbols = sorted({str(s) for axes in (dynamic_axes or {}).values()
                       for s in (axes.values() if isinstance(axes, Mapping) else [])})
-    with torch.inference_mode():  # torch-to-nnef's slicing needs it
+    with torch.inference_mode(), _deep_graph_walks():  # inference_mode: t2n's slicing needs it
         written = export_model_to_nnef(
             module, prog.example_inputs(module), writer_path, t2n_target,
             input_names=input_names, output_names=output_names, compression_level=compression,

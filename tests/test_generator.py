@@ -131,3 +131,12 @@ def test_cli_exports_a_checkpoint_folder(tmp_path, capsys):
     assert main(["export", "--model", str(folder), "--out", str(path)]) == 0
     out = capsys.readouterr().out
     assert "lfm2 from" in out and "every token equal" in out and out.rstrip().endswith("OK")
+
+
+def test_a_half_precision_model_generates(tmp_path):
+    model = tiny_model("qwen3_5", dtype=torch.float16)
+    files = export_generator(model, tmp_path / "q16.nnef.tgz")
+    assert "datum_type = 'f16'" in tract_check.nnef_text(files.main)
+    result = Generator(files.main, files.decode).generate(_prompt(), 32)
+    found = check_generation(model, result)  # f16: logits within 1e-2 of transformers
+    assert found.ok and found.bound == 1e-2, str(found)
