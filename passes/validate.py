@@ -59,7 +59,7 @@ class Validator:
             except Exception as error:  # noqa: BLE001 (any failure: nothing to compare with)
                 self.failure = f"the original program fails on probe inputs: {_brief(error)}"
                 return
-            if all(_finite(t) for t in self.reference):
+            if all(_finite(t) for _, t in self.reference):
                 return
 
     def mismatch(self, graph: fx.Graph | fx.GraphModule) -> Optional[str]:
@@ -75,10 +75,11 @@ class Validator:
             got = self._run(module)
         except Exception as error:  # noqa: BLE001 (a rewrite that does not run is wrong)
             return f"the rewritten program fails: {_brief(error)}"
-        if len(got) != len(self.reference):
-            return f"the rewritten program hands out {len(got)} values, not {len(self.reference)}"
-        worst = max((_disagreement(g, w) + (name,) for name, g, w in
-                     zip(self._names(), got, self.reference)), key=lambda r: r[0])
+        if [name for name, _ in got] != [name for name, _ in self.reference]:
+            return (f"the rewritten program hands out {len(got)} tensors, not "
+                    f"{len(self.reference)}")
+        worst = max((_disagreement(g, w) + (name,) for (name, g), (_, w) in
+                     zip(got, self.reference)), key=lambda r: r[0])
         error, bound, name = worst
         if error <= bound:
             return None
@@ -127,21 +128,16 @@ class Validator:
         return inputs
 
     def _run(self, module: fx.GraphModule) -> list:
-        """What the program hands out: its outputs, then each input (cloned) after the run."""
+        """What the program hands out, as (label, tensor): its outputs, then each input
+        (cloned) after the run."""
         args = [a if n.name in self.fixed or not isinstance(a, torch.Tensor) else a.clone()
                 for n, a in zip(self.placeholders, self.inputs)]
         with torch.inference_mode(), fast_scan_kernel():  # no autograd bookkeeping
             outputs = torch.utils._pytree.tree_leaves(module(*args))
-        after = [a for n, a in zip(self.placeholders, args) if n.name not in self.fixed]
-        return [t for t in outputs + after if isinstance(t, torch.Tensor)]
-
-    def _names(self) -> list:
-        output = next(n for n in reversed(self.root.graph.nodes) if n.op == "output")
-        outs = [getattr(a, "name", "output") for a in
-                torch.utils._pytree.tree_leaves(output.args[0])]
-        outs = [f"output {i} ({n})" for i, n in enumerate(outs)]
-        return outs + [f"input {n.name} after the run" for n in self.placeholders
-                       if n.name not in self.fixed] + ["?"] * len(self.reference)
+        labelled = [(f"output {i}", t) for i, t in enumerate(outputs)]
+        labelled += [(f"input {n.name} after the run", a)
+                     for n, a in zip(self.placeholders, args) if n.name not in self.fixed]
+        return [(label, t) for label, t in labelled if isinstance(t, torch.Tensor)]
 
 
 def compare_programs(original: Any, rewritten: Any, example_inputs: Optional[tuple] = None
