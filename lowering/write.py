@@ -18,6 +18,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
+from gdn_fx.errors import UsageError
 from gdn_fx.lowering.plan import plan, summary
 from gdn_fx.lowering.t2n import program as prog
 from gdn_fx.lowering.t2n.bridge import to_bridge
@@ -63,7 +64,7 @@ def _writer_settings(path: Path) -> tuple[Path, Optional[int]]:
         return path, 0
     if name.endswith(".nnef.tar"):
         return path.with_name(name[: -len(".tar")]), 0
-    raise ValueError(f"NNEF path {path} must end with .nnef (a folder), .nnef.tar or .nnef.tgz")
+    raise UsageError(f"NNEF path {path} must end with .nnef (a folder), .nnef.tar or .nnef.tgz")
 
 
 T2N_RECURSION = 50_000
