@@ -21,6 +21,8 @@ import networkx as nx
 import torch
 from torch import fx
 
+from gdn_fx.errors import UnsupportedProgram
+
 
 def _graph_of(program: Any) -> fx.Graph:
     if isinstance(program, torch.export.ExportedProgram):
@@ -29,7 +31,7 @@ def _graph_of(program: Any) -> fx.Graph:
         return program.graph
     if isinstance(program, fx.Graph):
         return program
-    raise TypeError(f"graph_diff takes ExportedProgram, GraphModule or Graph, got {type(program)}")
+    raise UnsupportedProgram(f"graph_diff takes ExportedProgram, GraphModule or Graph, got {type(program)}")
 
 
 def _target_name(node: fx.Node) -> str:

@@ -33,5 +33,33 @@ class ExportRefused(GdnFxError, RuntimeError):
     """An export would be wrong for some input (e.g. a dynamic axis over an unrolled loop)."""
 
 
+class FamilyUnavailable(UnsupportedModel):
+    """A tiny-model family the installed transformers release does not have (names both)."""
+
+
+class UnknownName(GdnFxError, KeyError):
+    """A name gdn-fx does not know, e.g. a lowering candidate (the message lists the known)."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownFamily(UnknownName):
+    """A tiny-model family name gdn-fx does not know (the message lists the known ones)."""
+
+
 class UsageError(GdnFxError, ValueError):
-    """A command-line argument that cannot be used (the message says which and why)."""
+    """An argument (of a function or the command line) that cannot be used; the message says
+    which and why."""
+
+
+class ArgumentTypeError(GdnFxError, TypeError):
+    """An argument of the wrong kind (e.g. ``choose`` not a dict); the message says which."""
+
+
+class MissingFile(GdnFxError, FileNotFoundError):
+    """A file gdn-fx needs is not there (an NNEF graph, a fragment); the message names it."""
+
+
+class PatchError(GdnFxError, RuntimeError):
+    """A swap of transformers' functions that cannot be applied or undone as asked."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gdn_fx.errors import DTypeError, ShapeError
+from gdn_fx.errors import DTypeError, ShapeError, UsageError
 from gdn_fx.reference import l2norm, recurrent_delta_rule_reference
 
 SCAN = "gated_delta_scan"
@@ -153,7 +153,7 @@ def check_conv_operands(x, conv_state, weight, bias, activation) -> None:
     if bias is not None:
         _expect(CONV, "bias", bias, [c])
     if activation not in (None, "silu"):
-        raise ValueError(f"{CONV}: activation must be None or 'silu', got {activation!r}")
+        raise UsageError(f"{CONV}: activation must be None or 'silu', got {activation!r}")
 
 
 @torch.library.custom_op("gdn_fx::causal_conv1d_update", mutates_args=())

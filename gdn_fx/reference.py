@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from gdn_fx.errors import ShapeError
+from gdn_fx.errors import ShapeError, UsageError
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
@@ -162,7 +162,7 @@ def state_fp8_qdq_reference(state: Tensor, block_v: int = 64) -> Tensor:
     nor the rounding contribute derivatives.
     """
     if block_v < 1:
-        raise ValueError(f"state_fp8_qdq_reference: block_v must be >= 1, got {block_v}")
+        raise UsageError(f"state_fp8_qdq_reference: block_v must be >= 1, got {block_v}")
     tiles = [_qdq_tile(state[..., start:start + block_v].detach())
              for start in range(0, state.shape[-1], block_v)]
     qdq = torch.cat(tiles, dim=-1) if tiles else state.detach()
@@ -236,7 +236,7 @@ def chunk_gdn_reference(
     (QDQ'd) initial state; there is then no W and the quantizer is not called.
     """
     if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        raise UsageError(f"chunk_size must be >= 1, got {chunk_size}")
     q, k, v, g, beta, s0 = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens,
                                     state_v_first)
     segments = _segments(q.shape[1], cu_seqlens)
@@ -321,7 +321,7 @@ def causal_conv1d_update_reference(
     ``new_state = cat(state, x)[..., -K:]`` in the state's dtype. Mutates nothing.
     """
     if activation not in (None, "silu"):
-        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+        raise UsageError(f"activation must be None or 'silu', got {activation!r}")
     seq_len, width, kernel = x.shape[-1], conv_state.shape[-1], weight.shape[-1]
     if width < kernel - 1:
         raise ShapeError(f"operand 'conv_state' keeps {width} samples; a kernel of width "

@@ -21,6 +21,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from gdn_fx.errors import DTypeError, MissingFile, ShapeError
+
 TOLERANCE = {torch.float16: 1e-3, torch.float32: 1e-4, torch.float64: 1e-4}
 _DECISIONS = re.compile(r'\(\s*"gdn_fx_lowering"\s*,\s*"([^"]*)"\s*\)')
 
@@ -35,7 +37,7 @@ def load(path: Union[str, Path]):
 def _numpy(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         if x.dtype == torch.bfloat16:
-            raise TypeError("tract has no bfloat16 input")
+            raise DTypeError("tract has no bfloat16 input")
         return x.detach().cpu().contiguous().numpy()
     return np.ascontiguousarray(x)
 
@@ -51,7 +53,7 @@ def relative_error(got: np.ndarray, want: torch.Tensor) -> float:
     """``max|got - want| / max|want|`` in float64 (absolute error when want is all zeros)."""
     want64 = want.detach().double().cpu().numpy()
     if tuple(got.shape) != tuple(want64.shape):
-        raise ValueError(f"tract output shape {tuple(got.shape)} != torch {tuple(want64.shape)}")
+        raise ShapeError(f"tract output shape {tuple(got.shape)} != torch {tuple(want64.shape)}")
     scale = float(np.abs(want64).max()) if want64.size else 0.0
     diff = float(np.abs(got.astype(np.float64) - want64).max()) if want64.size else 0.0
     return diff / scale if scale > 0 else diff
@@ -79,10 +81,10 @@ def compare(model, want: Sequence[torch.Tensor], inputs: Sequence,
     """Run ``model`` in tract on ``inputs`` and compare each output with ``want`` (torch)."""
     got = run(model, inputs)
     if len(got) != len(want):
-        raise ValueError(f"tract returned {len(got)} outputs, torch {len(want)}")
+        raise ShapeError(f"tract returned {len(got)} outputs, torch {len(want)}")
     for g, w in zip(got, want):
         if g.dtype != torch.empty(0, dtype=w.dtype).numpy().dtype:
-            raise TypeError(f"tract output dtype {g.dtype} != torch {w.dtype}")
+            raise DTypeError(f"tract output dtype {g.dtype} != torch {w.dtype}")
     return Comparison(
         errors=tuple(relative_error(g, w) for g, w in zip(got, want)),
         tolerances=tuple(tolerance or TOLERANCE.get(w.dtype, 1e-4) for w in want),
@@ -98,7 +100,7 @@ def nnef_text(path: Union[str, Path]) -> str:
         for member in archive.getmembers():
             if Path(member.name).name == "graph.nnef":
                 return io.TextIOWrapper(archive.extractfile(member), encoding="utf8").read()
-    raise FileNotFoundError(f"no graph.nnef in {path}")
+    raise MissingFile(f"no graph.nnef in {path}")
 
 
 def read_decisions(path: Union[str, Path]) -> dict[str, str]:

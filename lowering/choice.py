@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from gdn_fx.errors import ArgumentTypeError, UsageError
+
 ALL = "*"
 FORBID = "forbid"
 
@@ -37,11 +39,11 @@ class Choice:
         if choose is None:
             return cls()
         if not isinstance(choose, Mapping):
-            raise TypeError(f"choose must be a dict, got {type(choose).__name__}")
+            raise ArgumentTypeError(f"choose must be a dict, got {type(choose).__name__}")
         force = {str(k): v for k, v in choose.items() if k != FORBID}
         for key, value in force.items():
             if not isinstance(value, str):
-                raise TypeError(f"choose[{key!r}] must be one candidate name, got {value!r}")
+                raise ArgumentTypeError(f"choose[{key!r}] must be one candidate name, got {value!r}")
         return cls(force=force, forbid=_parse_forbid(choose.get(FORBID)))
 
     def forced(self, node: str, op: str) -> Optional[str]:
@@ -64,7 +66,7 @@ def _parse_forbid(value) -> dict:
     if value is None:
         return {}
     if isinstance(value, str):
-        raise TypeError("choose['forbid'] must be a list of candidate names or a dict of lists")
+        raise ArgumentTypeError("choose['forbid'] must be a list of candidate names or a dict of lists")
     if isinstance(value, Mapping):
         return {str(k): frozenset(_names(v, k)) for k, v in value.items()}
     return {ALL: frozenset(_names(value, ALL))}
@@ -73,7 +75,7 @@ def _parse_forbid(value) -> dict:
 def _names(value, key) -> list:
     names = [value] if isinstance(value, str) else list(value)
     if not all(isinstance(name, str) for name in names):
-        raise TypeError(f"choose['forbid'][{key!r}] must list candidate names, got {value!r}")
+        raise ArgumentTypeError(f"choose['forbid'][{key!r}] must list candidate names, got {value!r}")
     return names
 
 
@@ -85,7 +87,7 @@ def validate(choice: Choice, nodes: Mapping[str, str], candidates: Mapping[str, 
     known = set(nodes) | set(candidates) | {ALL}
     unknown = sorted(choice.keys() - known)
     if unknown:
-        raise ValueError(f"choose keys {unknown} name no fused node or op; fused nodes: "
+        raise UsageError(f"choose keys {unknown} name no fused node or op; fused nodes: "
                          f"{sorted(nodes)}, ops: {sorted(candidates)}")
     for key, name in choice.force.items():
         _check_names(key, [name], nodes, candidates)
@@ -98,5 +100,5 @@ def _check_names(key: str, names, nodes, candidates) -> None:
     valid = set().union(*(candidates[op] for op in ops))
     wrong = sorted(set(names) - valid)
     if wrong:
-        raise ValueError(f"choose[{key!r}]: no candidate named {wrong}; "
+        raise UsageError(f"choose[{key!r}]: no candidate named {wrong}; "
                          f"candidates: {sorted(valid)}")

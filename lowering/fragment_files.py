@@ -11,6 +11,8 @@ from pathlib import Path
 
 from torch_to_nnef.op.fragment import Fragment
 
+from gdn_fx.errors import MissingFile
+
 FRAGMENT_DIR = Path(__file__).parent / "fragments"
 CORE_EXTENSION = "tract_registry tract_core"
 
@@ -20,7 +22,7 @@ def shipped(name: str) -> Fragment:
     """The fragment file ``fragments/<name>.nnef`` (all the fragments it defines)."""
     path = FRAGMENT_DIR / f"{name}.nnef"
     if not path.is_file():
-        raise FileNotFoundError(f"no NNEF fragment file {path}")
+        raise MissingFile(f"no NNEF fragment file {path}")
     return Fragment.load_file(path)
 
 

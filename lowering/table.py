@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from gdn_fx.errors import LoweringUnsupported
+from gdn_fx.errors import LoweringUnsupported, UnknownName
 from gdn_fx.lowering import (conv_native, conv_portable, gdn_chunked, gdn_matmul, gdn_native,
                              gdn_scan)
 from gdn_fx.lowering.choice import Choice
@@ -80,7 +80,7 @@ def candidate(op: str, name: str) -> Candidate:
     for entry in TABLE[op]:
         if entry.name == name:
             return entry
-    raise KeyError(f"{op} has no candidate {name!r}; candidates: {candidate_names()[op]}")
+    raise UnknownName(f"{op} has no candidate {name!r}; candidates: {candidate_names()[op]}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from gdn_fx.errors import ArgumentTypeError, UsageError
+
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(?:[-+.].*)?$")
 
 
@@ -16,7 +18,7 @@ def parse_version(text: str) -> tuple[int, int, int]:
     """``"0.23.9"`` (or ``"v0.23.9"``, ``"0.23.9-dev"``) -> ``(0, 23, 9)``."""
     match = _VERSION.match(text.strip())
     if match is None:
-        raise ValueError(f"tract version {text!r} is not of the form MAJOR.MINOR.PATCH")
+        raise UsageError(f"tract version {text!r} is not of the form MAJOR.MINOR.PATCH")
     major, minor, patch = (int(part) for part in match.groups())
     return major, minor, patch
 
@@ -63,7 +65,7 @@ def as_target(target) -> Target:
         return Target.parse(target)
     version = getattr(target, "version", None)
     if version is None or not hasattr(version, "to_str"):
-        raise TypeError(f"cannot read a tract version from {target!r}")
+        raise ArgumentTypeError(f"cannot read a tract version from {target!r}")
     # export_nnef records what it decided (only axes the program holds static are dynamic to
     # the lowering); a target made elsewhere counts every declared axis.
     dynamic = getattr(target, DYNAMIC_ATTRIBUTE, None)

@@ -9,11 +9,13 @@ whole-model exports and tests run in seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import transformers as tf
 from torch import nn
+
+from gdn_fx.errors import FamilyUnavailable, UnknownFamily
 
 VOCAB = 64
 # Special ids must be < VOCAB: several families default to ids beyond a tiny vocabulary.
@@ -24,13 +26,22 @@ LIN, FULL = "linear_attention", "full_attention"
 
 @dataclass(frozen=True)
 class Family:
-    """How to build one tiny model: config class, model class, and config fields."""
+    """How to build one tiny model: config class, model class, and config fields.
+
+    The classes are named, not imported: each transformers release has a different set of
+    families, so a missing one is reported when it is asked for (:func:`family_classes`).
+    """
 
     name: str
-    config_class: Callable[..., Any]
-    model_class: Callable[..., nn.Module]
+    config_class: str  # a name in the ``transformers`` namespace
+    model_class: str
     fields: dict
     mixer: str  # "gdn", "kda", "conv" (short conv only) or "mamba2"
+
+    @property
+    def available(self) -> bool:
+        """Whether the installed transformers has this family's classes."""
+        return all(hasattr(tf, n) for n in (self.config_class, self.model_class))
 
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -47,40 +58,40 @@ def _gdn(hk: int, hv: int, dk: int, dv: int) -> dict:
 
 
 _FAMILIES = [
-    Family("qwen3_5", tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(
+    Family("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         **_ATTN, **_gdn(2, 4, 16, 16), num_hidden_layers=4, intermediate_size=64,
         layer_types=[LIN, FULL, LIN, LIN]), "gdn"),
-    Family("qwen3_5_moe", tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(
+    Family("qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
         **_ATTN, **_gdn(2, 4, 8, 8), **_MOE, num_hidden_layers=3,
         layer_types=[LIN, LIN, FULL]), "gdn"),
-    Family("qwen3_next", tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(
+    Family("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         **_ATTN, **_gdn(2, 4, 16, 16), **_MOE, num_hidden_layers=4, intermediate_size=64,
         layer_types=[LIN, LIN, LIN, FULL]), "gdn"),
-    Family("olmo_hybrid", tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM, dict(
+    Family("olmo_hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
         hidden_size=32, num_attention_heads=4, num_key_value_heads=2, **_gdn(2, 4, 8, 16),
         num_hidden_layers=3, intermediate_size=64, layer_types=[LIN, FULL, LIN]), "gdn"),
-    Family("lara_mini", tf.LaraMiniConfig, tf.LaraMiniForCausalLM, dict(
+    Family("lara_mini", "LaraMiniConfig", "LaraMiniForCausalLM", dict(
         **_ATTN, **_gdn(2, 4, 16, 16), **_MOE, num_hidden_layers=4, sliding_window=128,
         layer_types=[LIN, "sliding_attention", LIN, FULL]), "gdn"),
-    Family("kimi_linear", tf.KimiLinearConfig, tf.KimiLinearForCausalLM, dict(
+    Family("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM", dict(
         **_MLA, qk_rope_head_dim=8, num_local_experts=4, linear_num_heads=4,
         linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=3,
         layer_types=[LIN, FULL, LIN]), "kda"),
-    Family("bailing_hybrid", tf.BailingHybridConfig, tf.BailingHybridForCausalLM, dict(
+    Family("bailing_hybrid", "BailingHybridConfig", "BailingHybridForCausalLM", dict(
         **_MLA, qk_rope_head_dim=8, num_local_experts=4, head_dim=16, n_group=1, topk_group=1,
         short_conv_kernel_size=4, num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
         first_k_dense_replace=1), "kda"),
-    Family("lfm2", tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(
+    Family("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(
         **_ATTN, intermediate_size=64, block_multiple_of=16, num_hidden_layers=3,
         layer_types=["conv", FULL, "conv"], conv_bias=True, conv_L_cache=3), "conv"),
-    Family("bamba", tf.BambaConfig, tf.BambaForCausalLM, dict(
+    Family("bamba", "BambaConfig", "BambaForCausalLM", dict(
         hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_state=8,
         mamba_chunk_size=16, mamba_d_conv=4), "mamba2"),
 ]
 
 
-def _glm5_next_config(**overrides: Any) -> tf.Glm5NextConfig:
+def _glm5_next_config(**overrides: Any):
     """GLM-5-Next is a vision-language model: a tiny text tower plus a one-block vision tower."""
     text = dict(**TOKENS, **_MLA, q_lora_rank=16, qk_rope_head_dim=0, n_routed_experts=4,
                 index_topk=16, index_head_dim=8, index_n_heads=2, index_kpool=4,
@@ -93,10 +104,10 @@ def _glm5_next_config(**overrides: Any) -> tf.Glm5NextConfig:
     # Multimodal ids are placed inside the tiny vocabulary, above the random text ids we draw.
     media = dict(image_token_id=58, video_token_id=59, image_start_token_id=60,
                  image_end_token_id=61, video_start_token_id=62, video_end_token_id=63)
-    return tf.Glm5NextConfig(text_config=text, vision_config=vision, **media)
+    return getattr(tf, _GLM5.config_class)(text_config=text, vision_config=vision, **media)
 
 
-_GLM5 = Family("glm5_next", _glm5_next_config, tf.Glm5NextForConditionalGeneration, {}, "kda")
+_GLM5 = Family("glm5_next", "Glm5NextConfig", "Glm5NextForConditionalGeneration", {}, "kda")
 
 FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [*_FAMILIES, _GLM5]}
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
@@ -105,18 +116,37 @@ SAFE_TOKEN_RANGE = (3, 56)
 
 
 def family(name: str) -> Family:
-    """The :class:`Family` called ``name``; KeyError lists the known names."""
+    """The :class:`Family` called ``name``; UnknownFamily (a KeyError) lists the known names."""
     if name not in FAMILY_SPECS:
-        raise KeyError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
+        raise UnknownFamily(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
     return FAMILY_SPECS[name]
+
+
+def available_families() -> tuple[str, ...]:
+    """The families the installed transformers has (a subset of :data:`FAMILIES`)."""
+    return tuple(f for f in FAMILIES if FAMILY_SPECS[f].available)
+
+
+def family_classes(name: str) -> tuple[Any, Any]:
+    """(config class, model class) of family ``name`` in the installed transformers.
+
+    FamilyUnavailable names the family and the installed version when that release does not
+    have it (e.g. ``lara_mini`` before transformers 5.24).
+    """
+    spec = family(name)
+    if not spec.available:
+        have = ", ".join(available_families()) or "none"
+        raise FamilyUnavailable(f"family {name!r} needs transformers' {spec.model_class}, which "
+                                f"transformers {tf.__version__} does not have (it has: {have})")
+    return getattr(tf, spec.config_class), getattr(tf, spec.model_class)
 
 
 def tiny_config(name: str, **overrides: Any):
     """A tiny transformers config of family ``name``; ``overrides`` replace config fields."""
-    spec = family(name)
-    if spec.name == "glm5_next":
+    config_class, _ = family_classes(name)
+    if name == "glm5_next":
         return _glm5_next_config(**overrides)
-    return spec.config_class(**{**TOKENS, **spec.fields, **overrides})
+    return config_class(**{**TOKENS, **family(name).fields, **overrides})
 
 
 def tiny_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -125,5 +155,5 @@ def tiny_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
     config = tiny_config(name, **overrides)
     with torch.random.fork_rng(devices=[]):  # seed the weights without touching global RNG
         torch.manual_seed(seed)
-        model = family(name).model_class(config)
+        model = family_classes(name)[1](config)
     return model.to(dtype).eval()

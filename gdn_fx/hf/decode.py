@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from torch.export import Dim
 from transformers import DynamicCache
 
-from gdn_fx.hf import patching
+from gdn_fx.errors import PatchError, UsageError
+from gdn_fx.hf import compat, patching
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
 from gdn_fx.hf.states import (
     StateSpec,
@@ -43,7 +44,9 @@ class DecodeStep(nn.Module):
     def __init__(self, model: nn.Module, rule: str = "auto", last_logits: bool = False):
         super().__init__()
         if rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+            raise UsageError(f"rule must be one of {RULES}, got {rule!r}")
+        if rule == "recurrent":
+            compat.require_module_kernels(model, "DecodeStep(rule='recurrent')")
         self.model = model
         self.rule = rule
         self.last_logits = last_logits  # logits of the last position only (a generator's)
@@ -69,13 +72,12 @@ class DecodeStep(nn.Module):
                                 linear_class=linear_class)
             try:
                 keep = {"logits_to_keep": 1} if self.last_logits else {}
-                logits = self.model(input_ids=input_ids, cache=cache, use_cache=True,
-                                    **keep).logits
+                logits = compat.run(self.model, cache, input_ids=input_ids, **keep).logits
                 unconsumed = patching.PENDING.entry is not None
             finally:
                 patching.PENDING.entry = None
         if unconsumed:  # never return a conv state that was not written
-            raise RuntimeError("a deferred conv-state update was not consumed: some "
+            raise PatchError("a deferred conv-state update was not consumed: some "
                                "causal_conv1d_fn does not know gdn-fx's deferral")
         return (logits, *read_cache(cache, self.specs))
 
@@ -111,9 +113,14 @@ class DecodeStep(nn.Module):
         """How many fused nodes a fully collapsed (or reified) step holds, per op name: one
         scan per delta-rule layer, one conv update per conv state."""
         has_rule = any(m.rule_kind is not None for m in self.modeling)
+        # A conv update the rule can find: a modeling file's function, or (5.5-5.14) a kernel
+        # the layers bind themselves; other conv layers (lfm2 before 5.15) are written inline.
+        has_conv = (any(m.has_conv for m in self.modeling)
+                    or compat.bound_kernel(self.model, "causal_conv1d_update"))
         recurrent = sum(s.kind == "recurrent" for s in self.specs)
+        conv = sum(s.kind == "conv" for s in self.specs)
         return {"gated_delta_scan": recurrent if has_rule else 0,
-                "causal_conv1d_update": sum(s.kind == "conv" for s in self.specs)}
+                "causal_conv1d_update": conv if has_conv else 0}
 
     def _can_defer(self) -> bool:
         """Whether every conv function the model calls consumes deferred conv updates."""
@@ -141,7 +148,7 @@ class DecodeStep(nn.Module):
         elif source == "random":
             states = [_random_state(s, batch, past_len, gen, self._device()) for s in self.specs]
         else:
-            raise ValueError(f"source must be 'prefill' or 'random', got {source!r}")
+            raise UsageError(f"source must be 'prefill' or 'random', got {source!r}")
         return (ids, *states)
 
     def prefill_states(self, prompt_ids: Tensor) -> list[Tensor]:
@@ -152,7 +159,7 @@ class DecodeStep(nn.Module):
                     for s in self.specs]
         cache = DynamicCache(config=self.model.config)
         with torch.no_grad():
-            self.model(input_ids=prompt_ids, cache=cache, use_cache=True)
+            compat.run(self.model, cache, input_ids=prompt_ids)
         return [t.clone() for t in read_cache(cache, self.specs)]
 
     def _device(self) -> torch.device:
@@ -178,6 +185,6 @@ def hf_continue(model: nn.Module, prompt_ids: Tensor, input_ids: Tensor,
     specs = discover_specs(model) if specs is None else specs
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=prompt_ids, cache=cache, use_cache=True)
-        out = model(input_ids=input_ids, cache=cache, use_cache=True)
+        compat.run(model, cache, input_ids=prompt_ids)
+        out = compat.run(model, cache, input_ids=input_ids)
     return (out.logits, *read_cache(cache, specs))

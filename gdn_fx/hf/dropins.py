@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 import gdn_fx.ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
 from gdn_fx.errors import UnsupportedModel
-from gdn_fx.hf import patching
+from gdn_fx.hf import compat, patching
 from gdn_fx.hf.patching import CONV_FN, CONV_UPDATE, RULE_NAMES, ModelingModule
 
 SCAN = torch.ops.gdn_fx.gated_delta_scan
@@ -183,6 +183,7 @@ def reify(model: nn.Module, *, exact: bool = False, conv: bool = True) -> Reifie
     the default hands them to the op (``qk_l2norm=True``), the form the native lowering needs.
     ``conv=False`` leaves the conv functions alone (only the delta rules are swapped).
     """
+    compat.require_module_kernels(model, "reify")
     modules = patching.modeling_modules(model)
     if not any(m.rule_kind is not None or m.has_conv for m in modules):
         raise UnsupportedModel(f"{type(model).__name__}: no linear-attention or conv layers "

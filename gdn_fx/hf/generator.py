@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from gdn_fx.errors import UnsupportedModel
+from gdn_fx.errors import UnsupportedModel, UsageError
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.dropins import reify
 from gdn_fx.hf.nnef import fused_counts, prepare_for_nnef
@@ -74,7 +74,7 @@ def decode_path(path: Union[str, Path]) -> Path:
     for suffix in (".nnef.tgz", ".nnef.tar", ".nnef"):
         if path.name.endswith(suffix):
             return path.with_name(path.name[: -len(suffix)] + ".decode" + suffix)
-    raise ValueError(f"NNEF path {path} must end with .nnef.tgz, .nnef.tar or .nnef")
+    raise UsageError(f"NNEF path {path} must end with .nnef.tgz, .nnef.tar or .nnef")
 
 
 def export_program(step: DecodeStep) -> torch.export.ExportedProgram:

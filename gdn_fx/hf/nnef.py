@@ -21,7 +21,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from gdn_fx.errors import UnsupportedModel
+from gdn_fx.errors import UnsupportedModel, UsageError
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.dropins import reify
 
@@ -62,7 +62,7 @@ def export_dynamic(step: DecodeStep, seq_len: int = 8, min_seq: int = 2,
     UnsupportedModel when the program does not hold exactly ``step.expected_fusions``.
     """
     if step.rule != "auto":
-        raise ValueError("export_dynamic needs DecodeStep(model, rule='auto'): reified rules "
+        raise UsageError("export_dynamic needs DecodeStep(model, rule='auto'): reified rules "
                          "already run every step as one scan")
     args = step.example_inputs(seq_len=seq_len)
     with reify(step.model):

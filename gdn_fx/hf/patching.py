@@ -23,7 +23,9 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import LinearAttentionLayer
+
+from gdn_fx.errors import PatchError
+from gdn_fx.hf import compat
 
 RULE_NAMES = {
     "gdn": ("torch_recurrent_gated_delta_rule", "torch_chunk_gated_delta_rule"),
@@ -57,7 +59,9 @@ def modeling_modules(model: nn.Module) -> list[ModelingModule]:
         module = sys.modules[name]
         kind = next((k for k, names in RULE_NAMES.items()
                      if all(hasattr(module, n) for n in names)), None)
-        conv = hasattr(module, CONV_UPDATE) and hasattr(module, CONV_FN)
+        # Before 5.15 these names can be None (optional kernels not installed): not functions.
+        conv = callable(getattr(module, CONV_UPDATE, None)) and callable(getattr(module, CONV_FN,
+                                                                                 None))
         if kind is not None or conv:
             found[name] = ModelingModule(module, kind, conv)
     return list(found.values())
@@ -89,7 +93,7 @@ class Patches:
 
     def apply(self) -> "Patches":
         if self._saved:
-            raise RuntimeError("these patches are already applied")
+            raise PatchError("these patches are already applied")
         for target, name, value in self.swaps:
             self._saved.append((target, name, getattr(target, name), value))
             setattr(target, name, value)
@@ -99,7 +103,7 @@ class Patches:
         """Restore every swapped attribute; refuse if someone swapped it again since."""
         for target, name, old, value in reversed(self._saved):
             if getattr(target, name) is not value:
-                raise RuntimeError(f"cannot undo the swap of {_where(target)}.{name}: it was "
+                raise PatchError(f"cannot undo the swap of {_where(target)}.{name}: it was "
                                    "swapped again since; undo patches in reverse order")
             setattr(target, name, old)
         self._saved = []
@@ -124,9 +128,12 @@ class _Pending:
 PENDING = _Pending()
 
 
-class DeferringLinearAttentionLayer(LinearAttentionLayer):
+class DeferringLinearAttentionLayer(compat.LINEAR_LAYER or object):  # type: ignore[misc]
     """A LinearAttentionLayer whose prefill-with-state conv update leaves the state write to
-    the conv function (a consumer of :data:`PENDING`), so it can run as one conv update."""
+    the conv function (a consumer of :data:`PENDING`), so it can run as one conv update.
+
+    Used only where the layers call module-level conv functions (transformers >= 5.15, whose
+    layers hold ``number_of_states`` slots); older releases never install a consumer."""
 
     def update_conv_state(self, conv_states: Tensor, state_idx: int = 0,
                           conv_kernel_size: Optional[int] = None, **kwargs) -> Tensor:

@@ -14,13 +14,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
-from transformers.cache_utils import (
-    DynamicSlidingWindowLayer,
-    LinearAttentionCacheLayerMixin,
-    LinearAttentionLayer,
-)
 
-from gdn_fx.errors import DTypeError, ShapeError
+from gdn_fx.errors import DTypeError, ShapeError, UnsupportedModel
+from gdn_fx.hf import compat
 
 # kind -> (input-name stem, past-length axis or None)
 KINDS = {
@@ -39,7 +35,9 @@ class StateSpec:
 
     layer: int
     kind: str  # a key of KINDS
-    slot: int  # state index inside a linear-attention layer (0 for attention tensors)
+    # state index inside a linear-attention layer (0 for attention tensors); None where the
+    # layer holds one tensor per kind (transformers 5.5-5.14)
+    slot: Optional[int]
     shape: tuple[int, ...]  # batch 1; past-length axis 0
     dtype: torch.dtype
     multi_slot: bool = False  # the layer holds several states of this kind: name carries slot
@@ -67,11 +65,12 @@ class StateSpec:
 def _layer_entries(layer) -> list[tuple[str, int, Tensor]]:
     """(kind, slot, tensor) for every tensor one cache layer holds."""
     found = []
-    if isinstance(layer, LinearAttentionCacheLayerMixin):
-        for slot in range(layer.number_of_states):
-            for kind, table in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
-                if table[slot] is not None:
-                    found.append((kind, slot, table[slot]))
+    if compat.is_linear(layer):
+        for slot in compat.slots(layer):
+            for kind in ("conv", "recurrent"):
+                tensor = compat.get_state(layer, kind, slot)
+                if tensor is not None:
+                    found.append((kind, slot, tensor))
     for kind, attr in (("key", "keys"), ("value", "values"), ("indexer_key", "indexer_keys")):
         tensor = getattr(layer, attr, None)
         if isinstance(tensor, Tensor):
@@ -81,10 +80,16 @@ def _layer_entries(layer) -> list[tuple[str, int, Tensor]]:
 
 def discover_specs(model: nn.Module) -> list[StateSpec]:
     """Run ``model`` once on a short prompt and describe every tensor its cache then holds."""
+    compat.require_linear_cache("explicit cache states (DecodeStep)")
     cache = DynamicCache(config=model.config)
     ids = torch.full((1, PROBE_LEN), 3, dtype=torch.long, device=model_device(model))
     with torch.no_grad():
-        model(input_ids=ids, cache=cache, use_cache=True)
+        try:
+            compat.run(model, cache, input_ids=ids)
+        except AttributeError as err:  # e.g. olmo_hybrid before 5.15 wants its own cache class
+            raise UnsupportedModel(
+                f"{type(model).__name__} in transformers {compat.VERSION} does not keep its "
+                f"states in DynamicCache's layers ({err}); DecodeStep cannot pass them") from None
     specs = []
     for index, layer in enumerate(cache.layers):
         entries = _layer_entries(layer)
@@ -116,21 +121,6 @@ def _check(spec: StateSpec, tensor: Tensor, batch: int) -> None:
         raise DTypeError(f"state '{spec.name}' has dtype {tensor.dtype}; expected {spec.dtype}")
 
 
-def _fill_linear(layer, spec: StateSpec, tensor: Tensor) -> None:
-    """Install a conv/recurrent state the way LinearAttentionLayer's lazy init would."""
-    if layer.device is None:
-        layer.device, layer.dtype = tensor.device, tensor.dtype
-    if spec.kind == "conv":
-        layer.conv_states[spec.slot] = tensor
-        layer.conv_kernel_size[spec.slot] = tensor.shape[-1]
-        layer.is_conv_states_initialized[spec.slot] = True
-    else:
-        layer.recurrent_states[spec.slot] = tensor
-        layer.is_recurrent_states_initialized[spec.slot] = True
-    # Given states mean "continue from here": HF then takes its cached-decode branches.
-    layer.has_previous_state[spec.slot] = True
-
-
 def _fill_attention(layer, spec: StateSpec, tensor: Tensor) -> None:
     """Install keys, values or indexer keys the way DynamicLayer.update would leave them."""
     if spec.kind == "indexer_key":
@@ -141,7 +131,8 @@ def _fill_attention(layer, spec: StateSpec, tensor: Tensor) -> None:
     setattr(layer, "keys" if spec.kind == "key" else "values", tensor)
     layer.device = tensor.device
     layer.is_initialized = True
-    if isinstance(layer, DynamicSlidingWindowLayer) and spec.kind == "key":
+    sliding = compat.SLIDING_LAYER is not None and isinstance(layer, compat.SLIDING_LAYER)
+    if sliding and spec.kind == "key":
         if tensor.shape[-2] >= layer.sliding_window - 1:
             # The layer then keeps only its window: the absolute position is lost.
             raise ShapeError(f"state '{spec.name}': {tensor.shape[-2]} cached tokens reach the "
@@ -159,17 +150,17 @@ def build_cache(config, specs: Sequence[StateSpec], tensors: Sequence[Tensor],
     cache layers, e.g. to change how they update conv states.
     """
     if len(tensors) != len(specs):
-        raise ValueError(f"expected {len(specs)} state tensors "
+        raise ShapeError(f"expected {len(specs)} state tensors "
                          f"({', '.join(s.name for s in specs)}), got {len(tensors)}")
     cache = DynamicCache(config=config)
     if linear_class is not None:
         for index, layer in enumerate(cache.layers):
-            if type(layer) is LinearAttentionLayer:
+            if type(layer) is compat.LINEAR_LAYER:
                 cache.layers[index] = linear_class(number_of_states=layer.number_of_states)
     for spec, tensor in zip(specs, tensors):
         layer = cache.layers[spec.layer]
         if spec.kind in ("conv", "recurrent"):
-            _fill_linear(layer, spec, tensor)
+            compat.set_state(layer, spec.kind, spec.slot, tensor)
         else:
             _fill_attention(layer, spec, tensor)
     return cache
@@ -180,10 +171,8 @@ def read_cache(cache: DynamicCache, specs: Sequence[StateSpec]) -> list[Tensor]:
     out = []
     for spec in specs:
         layer = cache.layers[spec.layer]
-        if spec.kind == "conv":
-            out.append(layer.conv_states[spec.slot])
-        elif spec.kind == "recurrent":
-            out.append(layer.recurrent_states[spec.slot])
+        if spec.kind in ("conv", "recurrent"):
+            out.append(compat.get_state(layer, spec.kind, spec.slot))
         else:
             attr = {"key": "keys", "value": "values", "indexer_key": "indexer_keys"}[spec.kind]
             out.append(getattr(layer, attr))
@@ -193,7 +182,7 @@ def read_cache(cache: DynamicCache, specs: Sequence[StateSpec]) -> list[Tensor]:
 def check_states(specs: Sequence[StateSpec], tensors: Sequence[Tensor], batch: int) -> None:
     """Raise a clear error when the state tensors do not match the specs."""
     if len(tensors) != len(specs):
-        raise ValueError(f"expected {len(specs)} state tensors "
+        raise ShapeError(f"expected {len(specs)} state tensors "
                          f"({', '.join(s.name for s in specs)}), got {len(tensors)}")
     for spec, tensor in zip(specs, tensors):
         _check(spec, tensor, batch)

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from gdn_fx.errors import ExportRefused
+from gdn_fx.errors import ExportRefused, UsageError
 from gdn_fx.lowering.facts import static_dim
 
 ATEN = torch.ops.aten
@@ -52,7 +52,7 @@ def _frozen_extents(module: fx.GraphModule, dynamic_axes: Mapping,
     frozen: dict[str, list] = {}
     for name, spec in dynamic_axes.items():
         if name not in placeholders:
-            raise ValueError(f"dynamic_axes names input {name!r}; the inputs are {list(names)}")
+            raise UsageError(f"dynamic_axes names input {name!r}; the inputs are {list(names)}")
         node = placeholders[name]
         for axis, symbol in _axes(spec).items():
             extent = static_dim(node.meta["val"].shape[axis])
