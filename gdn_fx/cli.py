@@ -86,11 +86,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _dispatch(args)
     except GdnFxError as err:  # a refusal with a reason, not a crash
-        print(f"gdn-fx: {type(err).__name__}: {err}", file=sys.stderr)
+        from gdn_fx.cli_checks import one_line
+
+        print(one_line(err), file=sys.stderr)
         return 2
 
 
 def _dispatch(args) -> int:
+    from gdn_fx.cli_checks import check
+
+    check(args)  # before any work: files, numbers, names (each refusal one line, status 2)
     if args.command == "diff":
         return _diff(args.a, args.b)
     from gdn_fx.pipeline import Job
