@@ -21,7 +21,7 @@ import networkx as nx
 import torch
 from torch import fx
 
-from gdn_fx.errors import UnsupportedProgram
+from gdn_fx.errors import GdnFxError, UnsupportedProgram
 
 
 def _graph_of(program: Any) -> fx.Graph:
@@ -197,6 +197,14 @@ def _attributes(args: str) -> str:
 def load_graph(path: Union[str, Path]) -> Any:
     """A saved program (``.pt2`` from torch.export.save) or an NNEF export, for diffing."""
     path = Path(path)
-    if path.suffix == ".pt2":
-        return torch.export.load(str(path))
-    return nnef_graph(path)
+    try:
+        if path.suffix == ".pt2":
+            return torch.export.load(str(path))
+        return nnef_graph(path)
+    except GdnFxError:
+        raise
+    except Exception as err:  # whatever the reader met: the file is not one of the two
+        detail = " ".join(str(err).split())[:200]
+        raise UnsupportedProgram(f"{path} is not a saved program (.pt2) or an NNEF export "
+                                 f"(folder, .nnef.tar, .nnef.tgz): {type(err).__name__}: "
+                                 f"{detail}") from None

@@ -81,6 +81,16 @@ def build_model(job: Job) -> tuple[torch.nn.Module, str]:
     return tiny_model(job.family, dtype=DTYPES[job.dtype], seed=job.seed), f"tiny {job.family}"
 
 
+def require_fusions(model: torch.nn.Module, name: str) -> None:
+    """Refuse, before any export work, a model with nothing gdn-fx fuses (e.g. a Llama)."""
+    from gdn_fx.errors import UnsupportedModel
+    from gdn_fx.hf import DecodeStep
+
+    if not any(DecodeStep(model).expected_fusions.values()):
+        raise UnsupportedModel(f"nothing to fuse: {name} ({type(model).__name__}) has no "
+                               "linear-attention or causal-conv layers")
+
+
 def _timed(report: Report, stage: str, say: Callable, what: str):
     class _Stage:
         def __enter__(self):
@@ -101,6 +111,7 @@ def run(job: Job, say: Callable[[str], None] = print) -> Report:
 
     model, name = build_model(job)
     prepare_for_nnef(model)
+    require_fusions(model, name)
     if job.dynamic_seq:  # the model's own rules, swapped for the fused ops by reify
         return _run_dynamic(job, DecodeStep(model), name, say)
     # A static multi-token step through the recurrent rule: its unrolled loop collapses.
@@ -173,6 +184,7 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
     from gdn_fx.hf.generator import Generator, check_generation, export_generator
 
     model, name = build_model(job)
+    require_fusions(model, name)
     report = GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P")
     job.out.parent.mkdir(parents=True, exist_ok=True)
     with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"):
