@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 
 LENGTHS = {"core": ((1, 8, 64, 256, 512), (1, 8)), "model": ((1, 8, 64, 256), (1, 8))}
-# Unrolled graphs load super-linearly in tract (FACTS.md: S=256 ~38 s, S=512 ~300 s + 25 s),
+# Unrolled graphs load super-linearly in tract (docs/FACTS.md: S=256 ~38 s, S=512 ~300 s + 25 s),
 # and torch-to-nnef writes them super-linearly too (bench_nnef: S=64 ~35 s, S=256 ~20 min).
 UNROLLED_MAX = {"core": 256, "model": 64}
 SLOW_LOAD = 5.0  # seconds: a path whose first load takes longer is loaded once only

@@ -31,7 +31,8 @@ def _graph_of(program: Any) -> fx.Graph:
         return program.graph
     if isinstance(program, fx.Graph):
         return program
-    raise UnsupportedProgram(f"graph_diff takes ExportedProgram, GraphModule or Graph, got {type(program)}")
+    raise UnsupportedProgram(f"graph_diff takes ExportedProgram, GraphModule or Graph, got "
+                             f"{type(program)}")
 
 
 def _target_name(node: fx.Node) -> str:

@@ -7,7 +7,8 @@ applied and there is no bias. What it accepts depends on the release:
 - before 0.23.5: no such operator;
 - 0.23.5 to 0.23.8 (held to the first form): all f16, K == 4, one step of one sequence
   (S == 1, batch 1, no symbolic axes);
-- 0.23.9: all f16 or all f32, K = 2..5, any S and batch (FACTS.md).
+- 0.23.9: all f16 or all f32, K = 2..5, any S and batch (docs/FACTS.md, "tract: native
+  operators, release by release").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ With full = cat(state, x) of length K + S, output step t reads full[1 + t : 1 + 
 - "depthwise": NNEF's depthwise ``conv`` of full (no padding; S + 1 outputs, the first
   dropped), its filter written as ``reshape(weight, [C, 1, K])``: tract 0.23.9 miscompiles a
   constant filter behind an unsqueeze (channel c reads the wrong weights), not a reshaped one
-  (FACTS.md; lowering/t2n/fixes.py relies on the same).
+  (docs/FACTS.md, "tract 0.23.9: traps"; lowering/t2n/fixes.py relies on the same).
 then the bias and SiLU when the node has them; ``new_state = full[..., -K:]``. At S = 1 the
 multiply-adds are faster, for longer S tract's conv kernel is (bench/bench_conv.py). Slice
 ends are written from ``tract_core_shape_of(full)``: negative ends break on a symbolic S in

@@ -32,7 +32,7 @@ def work_dtype(facts: ScanFacts) -> str:
 def variable(ctx: EmitContext, suffix: str, array: np.ndarray, dtype: str) -> NTensor:
     """A constant as an NNEF variable (NNEF here has no literal-tensor op), named after the
     node. Constants are stored at the full rank of the tensors they meet: tract broadcasting
-    pads the lower-rank operand with TRAILING axes (FACTS.md)."""
+    pads the lower-rank operand with TRAILING axes (docs/FACTS.md, "tract: loading and graphs")."""
     data = np.ascontiguousarray(array, dtype=NUMPY[dtype])
     tensor = ctx.tensor(suffix, data.shape, dtype)
     tensor.data = data

@@ -10,12 +10,12 @@ With a = exp(g_t) and the OLD state S, one step is
 
 so the state is read by one matmul and written once. The two readout rows are pulled out of
 the matmul result with 0/1 masks and ``sum_reduce`` (slicing the result makes tract split the
-matmul and repack the state, FACTS.md). The decay rides on the rows: a scalar per value head
-for GDN gates, one per key channel for KDA gates, so both gate kinds are served (the rows are
-per value head either way: they are a*k, not a repeat of k). GQA: the state keeps the
-contract layout [B, Hv, Dk, Dv] (reshaping the input state would copy it); the per-key-head
-terms (k as a column, q.k) meet their G value heads by broadcasting in [B, Hk, G, ...] views
-of the small per-step tensors, so nothing is repeated.
+matmul and repack the state, docs/FACTS.md "tract 0.23.9: traps"). The decay rides on the
+rows: a scalar per value head for GDN gates, one per key channel for KDA gates, so both gate
+kinds are served (the rows are per value head either way: they are a*k, not a repeat of k).
+GQA: the state keeps the contract layout [B, Hv, Dk, Dv] (reshaping the input state would
+copy it); the per-key-head terms (k as a column, q.k) meet their G value heads by
+broadcasting in [B, Hk, G, ...] views of the small per-step tensors, so nothing is repeated.
 
 "matmul_step" writes the step once: it serves S = 1 with no symbolic axis in the export.
 "matmul" makes it the body of a ``tract_core_scan`` over the sequence with

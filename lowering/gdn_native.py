@@ -4,7 +4,8 @@ The operator computes, on RAW q/k in layout q, k [b, S, hk, w], v [b, S, hv, w],
 log_decay/beta [b, S, hv], state [b, hv, w, w] (value head h reads key head h // (hv / hk)):
 q and k are l2-normalized inside (eps 1e-6) and the output is scaled by 1 / sqrt(w). So it
 serves a node only when qk_l2norm is True and scale == 1 / sqrt(Dk), with a scalar (GDN) gate
-and Dk == Dv. What else it accepts depends on the release (FACTS.md):
+and Dk == Dv. What else it accepts depends on the release (docs/FACTS.md, "tract: native
+operators, release by release"):
 
 - before 0.23.5: no such operator;
 - 0.23.5 to 0.23.8 (the first form; later releases did not say when it widened, so every one

@@ -1,7 +1,8 @@
 """causal_conv1d_update exported to NNEF, loaded AND run by tract, vs torch eager and HF.
 
 Weights are module parameters with static shapes: exactly the setting in which tract 0.23.9
-miscompiles a depthwise ``conv`` whose constant filter sits behind an unsqueeze (FACTS.md).
+miscompiles a depthwise ``conv`` whose constant filter sits behind an unsqueeze (docs/FACTS.md,
+"tract 0.23.9: traps").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A symbolic sequence axis: fused nodes traced at S=4 must run right at S = 1, 2, 7, 33, 100.
 
 And the other side of it: a graph that still holds an unrolled recurrence is refused, since
-tract would be silently wrong past the traced length (FACTS.md).
+tract would be silently wrong past the traced length (docs/FACTS.md, "torch-to-nnef 0.24.12").
 """
 
 from __future__ import annotations

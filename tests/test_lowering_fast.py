@@ -147,7 +147,7 @@ def test_features(case, tmp_path):
     print(case, check_run(written, module, args, tolerance))
 
 
-# --- the reused-State trap (FACTS.md): every loop resets its carry ---------------------------
+# --- the reused-State trap (docs/FACTS.md, "tract 0.23.9: traps"): every loop resets its carry
 
 def _two_runs(written, runs: list) -> list:
     state = tract_check.load(written).spawn_state()

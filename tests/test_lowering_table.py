@@ -3,8 +3,8 @@ gets, and how ``choose`` forces or forbids. Pure: no tracing, no tract.
 
 Expected candidates are written by hand: the default choice from the candidates' documented
 rules (lowering/gdn_matmul.py, gdn_chunked.py, conv_portable.py) and the table order measured
-in bench/; the native operators' answers from FACTS.md's record of what tract accepted, release
-by release. None is computed by the code under test.
+in bench/; the native operators' answers from docs/FACTS.md's record of what tract accepted,
+release by release. None is computed by the code under test.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ SCAN_TABLE = [
     # Default, from the candidates' documented rules: matmul_step takes static S = 1;
     # chunked_unrolled static S of at most 16 chunks of 64 (GDN gate, q/k l2norm in the node);
     # chunked any S on the same conditions; matmul the rest. All take f16/f32/f64 only.
-    # native/scan, from FACTS.md's record of what tract accepted, release by release.
+    # native/scan, from docs/FACTS.md's record of what tract accepted, release by release.
     ("0.23.4", False, scan(), "matmul_step", "scan"),  # no native operator yet
     ("0.23.5", False, scan(), "matmul_step", "native"),  # first form: one f16 step, width 128
     ("0.23.5", False, scan(s=4), "chunked_unrolled", "scan"),

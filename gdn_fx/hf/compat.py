@@ -1,13 +1,13 @@
 """What differs between the transformers releases gdn-fx supports, in one place.
 
-Three cache layouts (docs/FACTS.md, "transformers releases"):
+Three layouts (docs/FACTS.md, "transformers releases"; detected by feature, not by version):
 
 - 5.15 and later: ``LinearAttentionLayer`` holds lists of states (``number_of_states`` slots)
   and the layers call module-level functions (``causal_conv1d_update``,
   ``torch_chunk_gated_delta_rule``...), which reify and the recurrent rule swap.
-- 5.5 to 5.14: ``LinearAttentionLayer`` holds ONE conv and ONE recurrent tensor, and each
-  layer binds its kernels as instance attributes at construction (swapping module globals
-  does nothing), so only transformers' own rules (``rule="auto"``) are available.
+- 5.5 to 5.12 (5.13, 5.14 unchecked): ``LinearAttentionLayer`` holds ONE conv and ONE
+  recurrent tensor, and each layer binds its kernels as instance attributes at construction
+  (swapping module globals does nothing), so only transformers' own rules (``rule="auto"``) are available.
 - before 5.5: no ``LinearAttentionLayer``; each family keeps its own cache class. gdn-fx's
   helpers that need explicit cache states refuse with the version named.
 
@@ -30,7 +30,7 @@ VERSION: str = transformers.__version__
 LINEAR_LAYER: Optional[type] = getattr(cache_utils, "LinearAttentionLayer", None)
 LINEAR_MIXIN: Optional[type] = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
 SLIDING_LAYER: Optional[type] = getattr(cache_utils, "DynamicSlidingWindowLayer", None)
-# Kernel attributes 5.5-5.14 bind on each linear-attention layer instance.
+# Kernel attributes 5.5-5.12 bind on each linear-attention layer instance.
 BOUND_KERNELS = ("causal_conv1d_update", "chunk_gated_delta_rule", "recurrent_gated_delta_rule")
 
 
@@ -61,7 +61,7 @@ def is_linear(layer: Any) -> bool:
 
 def slots(layer: Any) -> list[Optional[int]]:
     """The state slots of a linear-attention cache layer: ``range(number_of_states)``, or
-    ``[None]`` where the layer holds one tensor per kind (5.5-5.14)."""
+    ``[None]`` where the layer holds one tensor per kind (5.5-5.12)."""
     count = getattr(layer, "number_of_states", None)
     return [None] if count is None else list(range(count))
 
@@ -97,13 +97,13 @@ def set_state(layer: Any, kind: str, slot: Optional[int], tensor: Tensor) -> Non
 
 
 def kernels_bound_per_layer(model: nn.Module) -> bool:
-    """Whether ``model``'s layers bind their kernels per instance (5.5-5.14), so swapping a
+    """Whether ``model``'s layers bind their kernels per instance (5.5-5.12), so swapping a
     modeling file's functions would not reach them."""
     return any(bound_kernel(model, name) for name in BOUND_KERNELS)
 
 
 def bound_kernel(model: nn.Module, name: str) -> bool:
-    """Whether some layer of ``model`` binds a callable kernel ``name`` itself (5.5-5.14)."""
+    """Whether some layer of ``model`` binds a callable kernel ``name`` itself (5.5-5.12)."""
     return any(callable(vars(sub).get(name)) for sub in model.modules())
 
 

@@ -113,7 +113,7 @@ class DecodeStep(nn.Module):
         """How many fused nodes a fully collapsed (or reified) step holds, per op name: one
         scan per delta-rule layer, one conv update per conv state."""
         has_rule = any(m.rule_kind is not None for m in self.modeling)
-        # A conv update the rule can find: a modeling file's function, or (5.5-5.14) a kernel
+        # A conv update the rule can find: a modeling file's function, or (5.5-5.12) a kernel
         # the layers bind themselves; other conv layers (lfm2 before 5.15) are written inline.
         has_conv = (any(m.has_conv for m in self.modeling)
                     or compat.bound_kernel(self.model, "causal_conv1d_update"))

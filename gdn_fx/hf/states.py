@@ -36,7 +36,7 @@ class StateSpec:
     layer: int
     kind: str  # a key of KINDS
     # state index inside a linear-attention layer (0 for attention tensors); None where the
-    # layer holds one tensor per kind (transformers 5.5-5.14)
+    # layer holds one tensor per kind (transformers 5.5-5.12)
     slot: Optional[int]
     shape: tuple[int, ...]  # batch 1; past-length axis 0
     dtype: torch.dtype
