@@ -396,10 +396,10 @@ def reshaped_depthwise_filters(module: fx.GraphModule) -> int:
     """Give depthwise conv filters made by ``unsqueeze(w [C, K], 1)`` as ``reshape(w)``.
 
     tract 0.23.9 runs a static-shape depthwise conv whose filter is an unsqueezed constant with
-    the wrong weights (channel c reads flat_w[c:c+K], FACTS.md): every causal conv that
-    transformers writes ``weight.unsqueeze(1)`` and that was not collapsed (a cache-less
-    prefill) would be silently wrong. A reshape to [C, 1, K] means the same and is compiled
-    right.
+    the wrong weights (channel c reads flat_w[c:c+K], docs/FACTS.md "tract 0.23.9: traps"):
+    every causal conv that transformers writes ``weight.unsqueeze(1)`` and that was not
+    collapsed (a cache-less prefill) would be silently wrong. A reshape to [C, 1, K] means the
+    same and is compiled right.
     """
     count = 0
     for node in module.graph.nodes:
