@@ -1,0 +1,106 @@
+"""gdn_fx.hf on whichever transformers release is installed (marker ``versions``).
+
+``make test`` runs this file on the newest release; ``.ci/run`` runs it again on the oldest
+supported ones (transformers 5.15.0, fully supported, and 5.0.0, import and refusals), each
+put in front of the venv with ``pip install --target`` and PYTHONPATH. What each release
+has is written below by hand from docs/FACTS.md, "transformers releases".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import gdn_fx
+from gdn_fx import tract_check
+from gdn_fx.errors import FamilyUnavailable, UnsupportedModel
+from gdn_fx.hf import DecodeStep, compat, hf_continue, prepare_for_nnef, tiny_model
+from gdn_fx.hf.configs import FAMILIES, available_families, family, tiny_config
+
+pytestmark = pytest.mark.versions
+
+SIX = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "bamba"}
+HAS = {"5.0.0": {"qwen3_next", "lfm2", "bamba"}, "5.10.4": SIX, "5.15.0": SIX,
+       "5.24.0": set(FAMILIES)}
+VERSION = transformers.__version__
+# Releases whose helpers work end to end: LinearAttentionLayer slots, module-level kernels.
+FULL = compat.LINEAR_LAYER is not None and hasattr(compat.LINEAR_LAYER(), "number_of_states")
+AVAILABLE = available_families()
+
+
+def test_the_installed_release_has_the_families_docs_say():
+    if VERSION not in HAS:
+        pytest.skip(f"no record for transformers {VERSION}")
+    assert set(AVAILABLE) == HAS[VERSION]
+
+
+@pytest.mark.parametrize("name", [f for f in FAMILIES if f not in AVAILABLE] or ["none"])
+def test_a_missing_family_is_refused_when_asked_for_naming_it_and_the_version(name):
+    if name == "none":
+        pytest.skip("this release has every family")
+    with pytest.raises(FamilyUnavailable) as raised:
+        tiny_model(name)
+    assert f"'{name}'" in str(raised.value) and VERSION in str(raised.value)
+
+
+def linear_layers(name: str) -> int:
+    config = tiny_config(name).get_text_config(decoder=True)
+    types = list(getattr(config, "layer_types", None) or config.layers_block_type)
+    return sum(t in ("linear_attention", "conv", "mamba") for t in types)
+
+
+@pytest.mark.parametrize("name", AVAILABLE)
+def test_decode_step_follows_the_release_cache_api(name):
+    model = tiny_model(name)
+    if compat.LINEAR_LAYER is None:  # before 5.5: refused with the version named
+        with pytest.raises(UnsupportedModel, match=VERSION):
+            DecodeStep(model)
+        return
+    step = DecodeStep(model)
+    assert sum(s.kind in ("conv", "recurrent") for s in step.specs) >= linear_layers(name)
+    gen = torch.Generator().manual_seed(0)
+    prompt, ids = torch.randint(3, 56, (1, 4), generator=gen), torch.randint(3, 56, (1, 1),
+                                                                              generator=gen)
+    args = (ids, *step.prefill_states(prompt))
+    got, want = step.eager(*args), hf_continue(model, prompt, ids, step.specs)
+    assert len(got) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("name", [f for f in AVAILABLE if family(f).mixer != "mamba2"])
+def test_decode_step_collapses_fully_and_computes_the_same(name):
+    if not FULL:
+        pytest.skip(f"transformers {VERSION}: decode collapse is checked from 5.15")
+    step = DecodeStep(tiny_model(name))
+    args = step.example_inputs(seq_len=1)
+    program = torch.export.export(step, args, strict=False)
+    result = gdn_fx.collapse(program)
+    delta = family(name).mixer in ("gdn", "kda")
+    layers = linear_layers(name)
+    # lfm2 / bamba: every linear layer holds a conv; gdn / kda layers a conv and a scan.
+    assert result.counts.get("causal_conv1d_update", 0) == layers
+    assert result.counts.get("gated_delta_scan", 0) == (layers if delta else 0)
+    assert gdn_fx.compare_programs(program, result.program) is None
+
+
+def test_prefill_collapses_through_this_release_chunk_rule():
+    if not FULL:
+        pytest.skip(f"transformers {VERSION}: prefill collapse is checked from 5.15")
+    step = DecodeStep(tiny_model("qwen3_next"))
+    program = torch.export.export(step, step.example_inputs(seq_len=8), strict=False)
+    result = gdn_fx.collapse(program)
+    assert result.counts.get("gated_delta_scan", 0) == 3  # three linear-attention layers
+    assert gdn_fx.compare_programs(program, result.program) is None
+
+
+def test_a_collapsed_decode_step_runs_in_tract(tmp_path):
+    if not FULL:
+        pytest.skip(f"transformers {VERSION}: NNEF is checked from 5.15")
+    step = DecodeStep(prepare_for_nnef(tiny_model("qwen3_next")))
+    args = step.example_inputs(seq_len=1)
+    program = gdn_fx.collapse(torch.export.export(step, args, strict=False)).program
+    path = gdn_fx.export_nnef(program, tmp_path / "q.nnef.tgz", input_names=step.input_names,
+                              output_names=step.output_names)
+    found = tract_check.compare(tract_check.load(path), step.eager(*args), args)
+    assert len(found.errors) == len(step.output_names) and max(found.errors) <= 1e-4, found
