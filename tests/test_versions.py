@@ -57,6 +57,10 @@ def test_decode_step_follows_the_release_cache_api(name):
         with pytest.raises(UnsupportedModel, match=VERSION):
             DecodeStep(model)
         return
+    if not FULL and name == "olmo_hybrid":  # 5.5-5.12 keep its states outside DynamicCache
+        with pytest.raises(UnsupportedModel, match=VERSION):
+            DecodeStep(model)
+        return
     step = DecodeStep(model)
     assert sum(s.kind in ("conv", "recurrent") for s in step.specs) >= linear_layers(name)
     gen = torch.Generator().manual_seed(0)
