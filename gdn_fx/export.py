@@ -31,7 +31,8 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
                 input_names: Optional[Sequence[str]] = None,
                 output_names: Optional[Sequence[str]] = None,
                 choose: Optional[Mapping] = None,
-                symbol_min: Optional[Mapping[str, int]] = None) -> Path:
+                symbol_min: Optional[Mapping[str, int]] = None,
+                weights: str = "f32") -> Path:
     """Write ``program`` (an ExportedProgram or GraphModule with gdn_fx nodes) as tract NNEF.
 
     Each ``gated_delta_scan`` / ``causal_conv1d_update`` node is lowered by the first
@@ -56,6 +57,20 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
         dict of such keys to lists. Examples: ``{"*": "scan"}``,
         ``{"gated_delta_scan_1": "native"}``, ``{"forbid": ["native"]}``. A forced candidate
         that does not accept its node raises LoweringUnsupported.
+    weights: how the program's parameters are stored (gdn_fx.lowering.t2n.weights):
+        ``"f32"`` (the default) as the program holds them; ``"f16"``: every floating-point
+        parameter stored in f16 and cast back to its dtype where it is read (half the file;
+        tract folds the casts at load, so memory and arithmetic stay in the program's dtype,
+        the weights rounded to f16 once); ``"q4_0"``: every 2-D weight of a matrix product
+        over its last axis (``linear``, ``x @ W.t()``, a tied lm_head with its embedding)
+        whose last axis is a multiple of 32 in tract's Q4_0 (blocks of 32 weights with one
+        f16 scale, min-max calibrated: 18 bytes per 32 weights, 9/64 of f32; tract multiplies
+        by the dequantized weights), the other parameters as they are. The format is
+        recorded in the NNEF's tract properties (key "gdn_fx_weights"). Another value raises
+        UsageError.
+
+    An input that no node reads stays an input of the NNEF, at its place, with its shape
+    and dtype (tract ignores its value).
 
     Raises ShapeError / DTypeError naming the node and operand for operands that break an op
     contract, LoweringUnsupported when no candidate accepts a node, ExportRefused as above.
@@ -68,4 +83,4 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
         _refuse_unrolled(program)
     return write_nnef(program, path, tract_version=tract_version, dynamic_axes=dynamic_axes,
                       input_names=input_names, output_names=output_names, choose=choose,
-                      symbol_min=symbol_min)
+                      symbol_min=symbol_min, weights=weights)

@@ -11,6 +11,7 @@ follow, t2n/dynamic_axes.py), apply the fixes (t2n/fixes.py), plan one candidate
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import sys
 from pathlib import Path
@@ -18,13 +19,16 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from gdn_fx.errors import UsageError
+from gdn_fx.errors import ExportRefused, UsageError
 from gdn_fx.lowering.plan import plan, summary
 from gdn_fx.lowering.t2n import program as prog
 from gdn_fx.lowering.t2n.bridge import to_bridge
 from gdn_fx.lowering.t2n.dynamic_axes import frozen_axes, refuse_frozen_axes
 from gdn_fx.lowering.t2n.fixes import apply_fixes
 from gdn_fx.lowering.t2n.offline_target import offline_tract_target
+from gdn_fx.lowering.t2n.unused_inputs import (declare_unused, drop_unused, rewrite_graph_file,
+                                               unused_inputs)
+from gdn_fx.lowering.t2n.weights import apply_weights, check_format
 from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE, Target
 
 PLUGIN = "gdn_fx.lowering.t2n.plugin"
@@ -35,8 +39,9 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
                input_names: Optional[Sequence[str]] = None,
                output_names: Optional[Sequence[str]] = None,
                choose: Optional[Mapping] = None,
-               symbol_min: Optional[Mapping[str, int]] = None) -> Path:
+               symbol_min: Optional[Mapping[str, int]] = None, weights: str = "f32") -> Path:
     """Write ``program`` as tract NNEF; the arguments are ``gdn_fx.export_nnef``'s."""
+    check_format(weights)
     path = Path(path)
     writer_path, compression = _writer_settings(path)
     module = prog.traceable_module(program)
@@ -51,8 +56,10 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
         refuse_frozen_axes(module, dynamic_axes, names)
     decisions = plan(module, target, choose)  # logs every decision and rejection
     to_bridge(module, {d.node: d.candidate for d in decisions})
+    stored = apply_weights(module, weights)  # t2n/weights.py: f32, f16 or q4_0 storage
     return _write(module, writer_path, compression, target, dynamic_axes, decisions,
-                  names, list(output_names) if output_names else None, symbol_min or {})
+                  names, list(output_names) if output_names else None, symbol_min or {},
+                  stored.summary())
 
 
 def _writer_settings(path: Path) -> tuple[Path, Optional[int]]:
@@ -86,20 +93,42 @@ def _deep_graph_walks():
 
 def _write(module, writer_path: Path, compression: Optional[int], target: Target,
            dynamic_axes, decisions, input_names: list, output_names: Optional[list],
-           symbol_min: Mapping[str, int]) -> Path:
-    """Trace the bridged module with torch-to-nnef (offline target) and write the NNEF."""
+           symbol_min: Mapping[str, int], weights: str = "f32") -> Path:
+    """Trace the bridged module with torch-to-nnef (offline target) and write the NNEF.
+
+    Inputs nothing reads are left out of what torch-to-nnef sees and declared afterwards, in
+    their place (t2n/unused_inputs.py)."""
+    from torch_to_nnef.exceptions import T2NErrorIoQuantity
     from torch_to_nnef.export import export_model_to_nnef
 
-    t2n_target = offline_tract_target(target.version_text, dynamic_axes,
-                                      {"gdn_fx_lowering": summary(decisions)})
+    unread = unused_inputs(module, input_names, prog.example_inputs(module), dynamic_axes)
+    drop_unused(module)
+    examples = prog.example_inputs(module)
+    skipped = {u.name for u in unread}
+    t2n_axes = {k: v for k, v in (dynamic_axes or {}).items() if k not in skipped}
+    t2n_target = offline_tract_target(target.version_text, t2n_axes,
+                                      {"gdn_fx_lowering": summary(decisions),
+                                       "gdn_fx_weights": weights})
     setattr(t2n_target, DYNAMIC_ATTRIBUTE, target.dynamic)  # emission re-checks against it
     # Symbols are extents (>= 1 unless told); without saying so tract keeps slower generic ops.
     symbols = sorted({str(s) for axes in (dynamic_axes or {}).values()
                       for s in (axes.values() if isinstance(axes, Mapping) else [])})
-    with torch.inference_mode(), _deep_graph_walks():  # inference_mode: t2n's slicing needs it
-        written = export_model_to_nnef(
-            module, prog.example_inputs(module), writer_path, t2n_target,
-            input_names=input_names, output_names=output_names, compression_level=compression,
-            log_level=logging.WARNING, load_extra_op_modules=[PLUGIN], strict_extra_imports=True,
-            custom_extensions=[f"tract_assert {s} >= {symbol_min.get(s, 1)}" for s in symbols])
-    return Path(written)
+    # stdout: on an input-count mismatch torch-to-nnef prints the whole traced graph first.
+    with torch.inference_mode(), _deep_graph_walks(), \
+            contextlib.redirect_stdout(io.StringIO()):  # inference_mode: t2n's slicing needs it
+        try:
+            written = Path(export_model_to_nnef(
+                module, examples, writer_path, t2n_target,
+                input_names=[n for n in input_names if n not in skipped],
+                output_names=output_names, compression_level=compression,
+                log_level=logging.WARNING, load_extra_op_modules=[PLUGIN],
+                strict_extra_imports=True,
+                custom_extensions=[f"tract_assert {s} >= {symbol_min.get(s, 1)}"
+                                   for s in symbols]))
+        except T2NErrorIoQuantity as error:
+            raise ExportRefused(f"torch-to-nnef dropped program inputs or outputs it found "
+                                f"unused after its own simplifications: "
+                                f"{str(error).splitlines()[0]}") from None
+    if unread:
+        rewrite_graph_file(written, lambda text: declare_unused(text, unread, input_names))
+    return written

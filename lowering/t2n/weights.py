@@ -1,0 +1,259 @@
+"""How an export stores the program's weights: ``f32`` (as the program holds them), ``f16``,
+``q4_0``. Applied to the plain GraphModule just before torch-to-nnef traces it
+(``gdn_fx.lowering.write_nnef``); the caller's program is never modified.
+
+- ``f32``: every parameter written in its own dtype (the default; nothing changes).
+- ``f16``: every floating-point parameter not already in f16 is stored as f16 and cast back to
+  its own dtype where the program reads it (a ``tract_core_cast``). The computation keeps the program's
+  dtype: tract folds the cast of a constant at load, so the file is half the size and the
+  weights in memory and the arithmetic are those of the program (rounded to f16 once).
+- ``q4_0``: every 2-D floating-point parameter that the program reads only as the weight of a
+  matrix product over its last axis (``linear(x, W)``, ``matmul(x, W.t())``; also a table that
+  an embedding gathers rows from when the same table is such a weight, i.e. a tied lm_head)
+  and whose last axis is a multiple of 32 becomes torch-to-nnef's tract Q4_0 tensor
+  (``fp_to_tract_q4_0_with_min_max_calibration``: groups of 32 consecutive weights along
+  the last axis, one f16 scale per group, 4-bit codes; 18 bytes per 32 weights, 9/64 of
+  f32). tract multiplies with the dequantized weights. Other parameters stay as they are.
+
+Why here and not through torch-to-nnef's ``compress`` registry: ``min_max_q4_0`` walks
+``nn.Linear`` modules, and an exported program has none (its weights are attributes read by
+``aten.linear`` nodes); the registry's quantizer function is what is reused, per parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from gdn_fx.errors import UsageError
+
+aten = torch.ops.aten
+LOG = logging.getLogger("gdn_fx.lowering")
+FORMATS = ("f32", "f16", "q4_0")
+Q4_GROUP = 32  # tract's Q4_0 block: 32 weights along the reduction axis
+# Ops that hand the matrix product's weight on unchanged or transposed (rank 2).
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+_PRODUCTS = {aten.matmul.default, aten.mm.default}
+
+
+@dataclass
+class WeightReport:
+    """What a weight format did: the parameters it converted and those it left (with why)."""
+
+    weights: str
+    converted: list = field(default_factory=list)  # parameter names
+    kept: dict = field(default_factory=dict)  # parameter name -> why it was left as it is
+
+    def summary(self) -> str:
+        """One line for the NNEF's properties and logs."""
+        return f"{self.weights}: {len(self.converted)} converted, {len(self.kept)} kept"
+
+
+def check_format(weights: str) -> str:
+    """``weights`` when it names a format, else UsageError listing the formats."""
+    if weights not in FORMATS:
+        raise UsageError(f"weights={weights!r} is not a weight format; use one of "
+                         f"{', '.join(FORMATS)}")
+    return weights
+
+
+def apply_weights(module: fx.GraphModule, weights: str) -> WeightReport:
+    """Store ``module``'s parameters in format ``weights`` (in place; see the module doc)."""
+    check_format(weights)
+    report = WeightReport(weights)
+    if weights == "f16":
+        _as_f16(module, report)
+    elif weights == "q4_0":
+        _as_q4_0(module, report)
+    if weights != "f32":
+        LOG.info("weights %s (kept: %s)", report.summary(),
+                 "; ".join(f"{k}: {v}" for k, v in list(report.kept.items())[:20]))
+    return report
+
+
+def _parameter(module: fx.GraphModule, node: fx.Node) -> Optional[torch.nn.Parameter]:
+    if node.op != "get_attr":
+        return None
+    try:
+        value = module.get_parameter(node.target)
+    except AttributeError:  # a buffer or a plain constant
+        return None
+    return value if value.dtype.is_floating_point else None
+
+
+def _set_attribute(module: fx.GraphModule, target: str, value) -> None:
+    """Set ``module.<target>`` on the module's own copy of the path (GraphModule copies the
+    submodule path of each attribute it references into fresh modules: the source program's
+    modules are not touched)."""
+    owner_path, _, name = target.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    if name in owner._parameters:
+        owner._parameters[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+# --- f16 --------------------------------------------------------------------------------
+
+# The cast back from the stored f16 is a torch-to-nnef extension op, not ``aten.to``:
+# torch-to-nnef evaluates every op whose inputs are all constants at export and writes the
+# result as one more variable (``<name>_weight_raw2d``), so the file would hold both copies.
+# The op therefore also takes one program input (``anchor``, never read): with a
+# non-constant input torch-to-nnef leaves it an op, and its handler emits only the cast of
+# the variable, which tract folds at load.
+STORED_CAST = "gdn_fx_stored_weight"
+
+
+@torch.library.custom_op(f"t2n_extra::{STORED_CAST}", mutates_args=())
+def stored_weight(weight: torch.Tensor, anchor: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` (as stored in the NNEF) cast to the ``dtype`` the program reads it in;
+    ``anchor`` (a program input) only keeps torch-to-nnef from folding the cast."""
+    return weight.to(dtype)
+
+
+@stored_weight.register_fake
+def _(weight, anchor, dtype):
+    return torch.empty_like(weight, dtype=dtype)
+
+
+def _register_handler() -> None:
+    from torch_to_nnef.dtypes import TORCH_DTYPE_TO_TRACT_STR
+    from torch_to_nnef.op.extras import register
+
+    @register(STORED_CAST)
+    def gdn_fx_stored_weight(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
+        """``t2n_extra::gdn_fx_stored_weight`` -> ``tract_core_cast`` of the variable."""
+        weight = op_helper.get_or_add_tensor_variable_in_nnef(node.inputs[0])
+        to = TORCH_DTYPE_TO_TRACT_STR[node.outputs[0].dtype]
+        op_helper.add_single_output_op_from_nnef_tensors(
+            node, "tract_core_cast", inputs=weight, attrs={"to": to},
+            maybe_cast_align_tract=False)
+        return []
+
+
+_register_handler()
+
+
+def _as_f16(module: fx.GraphModule, report: WeightReport) -> None:
+    graph = module.graph
+    anchor = next((n for n in graph.nodes if n.op == "placeholder" and n.users
+                   and isinstance(n.meta.get("val"), torch.Tensor)), None)
+    if anchor is None:
+        raise UsageError("weights='f16' needs a program with at least one tensor input that "
+                         "is read (the stored-weight casts hang on it)")
+    for node in list(graph.nodes):
+        param = _parameter(module, node)
+        if param is None or param.dtype == torch.float16 or not node.users:
+            continue
+        if param.dtype == torch.float64:  # tract's f64 support is thin: not ours to change
+            report.kept[node.target] = "float64"
+            continue
+        half = torch.nn.Parameter(param.detach().to(torch.float16), requires_grad=False)
+        _set_attribute(module, node.target, half)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(node.users, key=order.__getitem__)  # after the anchor input, too
+        with graph.inserting_before(first):
+            cast = graph.call_function(torch.ops.t2n_extra.gdn_fx_stored_weight.default,
+                                       (node, anchor, param.dtype))
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+        cast.meta["val"] = node.meta.get("val")
+        node.meta["val"] = torch.empty(half.shape, dtype=half.dtype, device="meta")
+        report.converted.append(node.target)
+    if report.converted:
+        graph.lint()
+        module.recompile()
+
+
+# --- q4_0 -------------------------------------------------------------------------------
+
+def _is_reduction_transpose(node: fx.Node) -> bool:
+    """A rank-2 transpose (``t``, ``transpose(0, 1)``, ``permute([1, 0])``)."""
+    if node.target is aten.t.default:
+        return True
+    if node.target is aten.transpose.int:
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
+    return node.target is aten.permute.default and list(node.args[1]) == [1, 0]
+
+
+def _weight_use(weight: fx.Node, user: fx.Node) -> Optional[str]:
+    """Why ``user`` reading 2-D ``weight`` stops it from being Q4_0 (None: a product over
+    the weight's last axis, or an embedding gather, which tract reads Q4_0 for too)."""
+    if user.target is aten.linear.default and user.args[0] is not weight:
+        return None
+    if user.target is aten.embedding.default and user.args[0] is weight:
+        return "embedding"  # allowed only beside a product: see _why_not_q4_0
+    if user.target in _TRANSPOSES and _is_reduction_transpose(user) and user.users and all(
+            u.target in _PRODUCTS and u.args[1] is user and u.args[0] is not user
+            for u in user.users):
+        return None
+    return f"read by {user.target}"
+
+
+def _why_not_q4_0(module: fx.GraphModule, node: fx.Node, param) -> Optional[str]:
+    """None when ``param`` (read by ``node``) can be stored Q4_0, else why not."""
+    if param.dim() != 2:
+        return f"rank {param.dim()}"
+    if param.shape[-1] % Q4_GROUP:
+        return f"last axis {param.shape[-1]} is not a multiple of {Q4_GROUP}"
+    uses = [_weight_use(node, user) for user in node.users]
+    blocking = [u for u in uses if u not in (None, "embedding")]
+    if blocking:
+        return blocking[0]
+    if None not in uses:
+        return "only gathered (an embedding table): not a matmul weight"
+    return None
+
+
+def _as_q4_0(module: fx.GraphModule, report: WeightReport) -> None:
+    for node in list(module.graph.nodes):
+        param = _parameter(module, node)
+        if param is None or not node.users:
+            continue
+        reason = _why_not_q4_0(module, node, param)
+        if reason is not None:
+            report.kept[node.target] = reason
+            continue
+        _quantize_products(module, node, param)
+        report.converted.append(node.target)
+    module.graph.lint()
+    module.recompile()
+
+
+def _quantize_products(module: fx.GraphModule, node: fx.Node, param) -> None:
+    """Point every matrix product reading ``node`` at a Q4_0 copy of ``param``, each as
+    ``linear(x, W)``: torch-to-nnef 0.24.12 writes a transpose of a Q4_0 variable as the
+    variable itself (``x @ W.t()`` came out with W's shape), so ``matmul(x, t(W))`` becomes
+    ``linear(x, W)``. A table an embedding also gathers from (a tied lm_head) keeps its
+    values for the gather, and the products get a Q4_0 copy of their own, which also gives
+    tract a constant with one consumer to pack once."""
+    from torch_to_nnef.tensor.quant import fp_to_tract_q4_0_with_min_max_calibration
+
+    graph = module.graph
+    with torch.no_grad():
+        quantized = fp_to_tract_q4_0_with_min_max_calibration(param.detach())
+    products = [u for u in node.users if u.target is not aten.embedding.default]
+    if len(products) == len(node.users):
+        quantized.nnef_name = node.target
+        _set_attribute(module, node.target, torch.nn.Parameter(quantized, requires_grad=False))
+        weight = node
+    else:
+        name = f"{node.target}_q4_0"  # beside the original: its NNEF label is this name
+        owner_path, _, field = name.rpartition(".")
+        owner = module.get_submodule(owner_path) if owner_path else module
+        owner.register_parameter(field, torch.nn.Parameter(quantized, requires_grad=False))
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        with graph.inserting_before(min(products, key=order.__getitem__)):
+            weight = graph.get_attr(name)
+        weight.meta["val"] = node.meta.get("val")
+    for user in products:
+        if user.target is aten.linear.default:
+            user.replace_input_with(node, weight)
+            continue
+        for product in list(user.users):  # a transpose feeding matmul / mm as their rhs
+            product.target, product.args = aten.linear.default, (product.args[0], weight)
+        graph.erase_node(user)
