@@ -23,6 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dynamic-seq", action="store_true",
                         help="with --seq-len: symbolic sequence axis (checked at S=3 and 50)")
     export.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32")
+    export.add_argument("--weights", choices=("f32", "f16", "q4_0"), default="f32",
+                        help="how the NNEF stores the weights (f16: half size; q4_0: tract's "
+                        "4-bit blocks for matmul weights); --check then compares with "
+                        "transformers on the stored weights")
     export.add_argument("--no-check", action="store_true",
                         help="skip the short tract generation compared with transformers")
     generate = sub.add_parser("generate", help="greedy generation in tract from an export")
@@ -106,7 +110,7 @@ def _dispatch(args) -> int:
         return _generate(args)
     job = Job(family=args.family, config=args.config, model_dir=args.model_dir, out=args.out,
               seq_len=args.seq_len or 1, dynamic_seq=args.dynamic_seq, dtype=args.dtype,
-              seed=args.seed)
+              seed=args.seed, weights=args.weights)
     if args.seq_len is None and not args.dynamic_seq:
         from gdn_fx.pipeline import render_generator, run_generator
 

@@ -33,6 +33,7 @@ class Job:
     dynamic_seq: bool = False
     dtype: str = "f32"
     seed: int = 0
+    weights: str = "f32"  # how the NNEF stores the weights: f32, f16, q4_0 (export_nnef)
 
 
 @dataclass
@@ -112,6 +113,11 @@ def run(job: Job, say: Callable[[str], None] = print) -> Report:
     model, name = build_model(job)
     prepare_for_nnef(model)
     require_fusions(model, name)
+    if job.dynamic_seq and job.weights != "f32":
+        from gdn_fx.errors import UsageError
+
+        raise UsageError("--weights f16 / q4_0 applies to the generation-ready export and to "
+                         "--seq-len steps, not to --dynamic-seq")
     if job.dynamic_seq:  # the model's own rules, swapped for the fused ops by reify
         return _run_dynamic(job, DecodeStep(model), name, say)
     # A static multi-token step through the recurrent rule: its unrolled loop collapses.
@@ -181,14 +187,16 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
     from gdn_fx import tract_check
     from gdn_fx.hf import DecodeStep
     from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
-    from gdn_fx.hf.generator import Generator, check_generation, export_generator
+    from gdn_fx.hf.generator import (Generator, check_generation, export_generator,
+                                     with_stored_weights)
 
     model, name = build_model(job)
     require_fusions(model, name)
-    report = GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P")
+    report = GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P, "
+                                   f"weights {job.weights}")
     job.out.parent.mkdir(parents=True, exist_ok=True)
     with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"):
-        files = export_generator(model, job.out, say=say)
+        files = export_generator(model, job.out, say=say, weights=job.weights)
     report.files = files
     report.expected = DecodeStep(model).expected_fusions
     report.decisions = {p: tract_check.read_decisions(p) for p in (files.main, files.decode)
@@ -203,7 +211,9 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
         with _timed(report, "generate", say, f"tract: {CHECK_TOKENS} greedy tokens, compared "
                     "with transformers' generate"):
             result = Generator(files.main, files.decode).generate(prompt, CHECK_TOKENS)
-            report.check = check_generation(model, result)
+            # compressed weights: against transformers on the weights the NNEF stores
+            reference = model if job.weights == "f32" else with_stored_weights(model, files.main)
+            report.check = check_generation(reference, result)
         report.rates = result.rates()
     return report
 
@@ -247,12 +257,18 @@ def _lower(job: Job, step, program, report: Report, say: Callable, dynamic=None,
     job.out.parent.mkdir(parents=True, exist_ok=True)
     with _timed(report, "nnef", say, f"NNEF through torch-to-nnef -> {job.out}"):
         path = gdn_fx.export_nnef(program, job.out, dynamic_axes=dynamic,
-                                  input_names=step.input_names, output_names=step.output_names)
+                                  input_names=step.input_names, output_names=step.output_names,
+                                  weights=job.weights)
     report.nnef_path, report.nnef_bytes = path, path.stat().st_size
     report.nnef_ops = _nnef_ops(path)
     args = step.example_inputs(seq_len=seq_len or job.seq_len)
     # An f16 model computes in f16 upstream of every output, f32 states included.
     bound = 1e-3 if job.dtype == "f16" else None
+    if job.weights != "f32":  # against the model holding the weights as the NNEF stores them
+        from gdn_fx.hf import DecodeStep
+        from gdn_fx.hf.generator import with_stored_weights
+
+        step = DecodeStep(with_stored_weights(step.model, path), rule=step.rule)
     with _timed(report, "tract", say, "tract: load, optimize, run, compare with eager"):
         found = tract_check.compare(path, step.eager(*args), args, tolerance=bound)
     report.errors = dict(zip(step.output_names, found.errors))

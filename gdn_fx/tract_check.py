@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import re
+import struct
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,3 +110,51 @@ def read_decisions(path: Union[str, Path]) -> dict[str, str]:
     if match is None or not match.group(1):
         return {}
     return dict(item.split("=", 1) for item in match.group(1).split(";"))
+
+
+# --- the weights an export stores -----------------------------------------------------------
+
+_HEADER = 128  # NNEF tensor files: a 128-byte header, then the data
+_Q4_BLOCK, _Q4_BYTES = 32, 18  # tract Q4_0: 32 weights in 18 bytes (f16 scale, 16 code bytes)
+
+
+def _dat_files(path: Path):
+    """(name, bytes) of every .dat file of an export (folder, .tar or .tgz)."""
+    if path.is_dir():
+        for file in sorted(path.rglob("*.dat")):
+            yield file.relative_to(path).as_posix(), file.read_bytes()
+        return
+    with tarfile.open(path) as archive:
+        for member in archive.getmembers():
+            if member.isfile() and member.name.endswith(".dat"):
+                yield member.name, archive.extractfile(member).read()
+
+
+def decode_q4_0(data: bytes, shape: Sequence[int]) -> np.ndarray:
+    """tract's Q4_0 blocks (as NNEF data, post 0.21.11 layout) as f32 values of ``shape``:
+    per block of 32 weights, an f16 scale and 16 bytes whose low nibbles are weights 0..15
+    and high nibbles weights 16..31; a weight is ``(nibble - 8) * scale``."""
+    blocks = np.frombuffer(data, dtype=np.uint8).reshape(-1, _Q4_BYTES)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    codes = blocks[:, 2:]
+    nibbles = np.concatenate([codes & 0x0F, codes >> 4], axis=1).astype(np.float32)
+    return ((nibbles - 8.0) * scale).reshape(shape)
+
+
+def stored_parameters(path: Union[str, Path]) -> dict[str, np.ndarray]:
+    """{label: f32 values} of every floating-point variable an export stores (f32, f16, or
+    Q4_0 dequantized), read from its .dat files: what tract multiplies with."""
+    found = {}
+    for name, raw in _dat_files(Path(path)):
+        length, rank = struct.unpack_from("<II", raw, 4)
+        shape = struct.unpack_from(f"<{rank}I", raw, 12)
+        bits, code = struct.unpack_from("<II", raw, 44)
+        data = raw[_HEADER:_HEADER + length]
+        label = Path(name).name[: -len(".dat")]
+        count = int(np.prod(shape)) if shape else 1
+        if code == 0 and bits in (16, 32):  # IEEE floats
+            dtype = np.float16 if bits == 16 else np.float32
+            found[label] = np.frombuffer(data, dtype=dtype).astype(np.float32).reshape(shape)
+        elif length == count // _Q4_BLOCK * _Q4_BYTES and count % _Q4_BLOCK == 0:
+            found[label] = decode_q4_0(data, shape)
+    return found

@@ -120,14 +120,22 @@ def decode_program(program: torch.export.ExportedProgram,
 def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool = True,
                      all_logits: bool = False, tract_version: str = "0.23.9",
                      choose: Optional[Mapping] = None,
-                     say: Callable[[str], None] = lambda line: None) -> GeneratorFiles:
+                     say: Callable[[str], None] = lambda line: None,
+                     weights: str = "f32") -> GeneratorFiles:
     """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF.
 
     ``path`` serves every S (prefill, and decode too); with ``decode`` (the default) the S = 1
     graph is written beside it as ``decode_path(path)`` (see the module doc for why). The
-    model is prepared for NNEF in place (``prepare_for_nnef``). Raises UnsupportedModel when a
-    layer is not reified, ExportRefused (from export_nnef) for what cannot follow S and P.
+    model is prepared for NNEF in place (``prepare_for_nnef``). ``weights`` ("f32", "f16",
+    "q4_0") is how both graphs store the weights, as in ``gdn_fx.export_nnef``; with
+    compressed weights the decode graph is kept when it computes what the main graph computes
+    (both in tract), since neither matches the f32 model to 1e-4. Raises UnsupportedModel
+    when a layer is not reified, ExportRefused (from export_nnef) for what cannot follow S
+    and P, UsageError for an unknown ``weights``.
     """
+    from gdn_fx.lowering.t2n.weights import check_format
+
+    check_format(weights)
     from gdn_fx.export import export_nnef
 
     step = DecodeStep(prepare_for_nnef(model), last_logits=not all_logits)
@@ -143,8 +151,9 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
         written.append(export_nnef(exported, target, tract_version=tract_version,
                                    dynamic_axes=axes, input_names=step.input_names,
                                    output_names=step.output_names, choose=choose,
-                                   symbol_min={"P": 0}))
-    note = _decode_problem(written[1], step) if decode else "not asked for"
+                                   symbol_min={"P": 0}, weights=weights))
+    reference = None if weights == "f32" else written[0]
+    note = _decode_problem(written[1], step, reference) if decode else "not asked for"
     if note and decode:
         say(f"decode graph dropped: {note}; the main graph serves decode")
         written[1].unlink()
@@ -152,8 +161,9 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
                           tuple(step.output_names), note)
 
 
-def _decode_problem(path: Path, step: DecodeStep) -> str:
-    """Why tract cannot serve decode from ``path`` ('' when it runs like eager at P = 0 and 5).
+def _decode_problem(path: Path, step: DecodeStep, reference: Optional[Path] = None) -> str:
+    """Why tract cannot serve decode from ``path`` ('' when it runs like eager at P = 0 and 5;
+    with a ``reference`` graph, like that graph run in tract: compressed weights).
 
     The S = 1 graph is a second trace with other static sizes, which meets other tract
     optimizer paths (seen: an axes assertion in kimi_linear's MoE router); it is kept only
@@ -164,15 +174,50 @@ def _decode_problem(path: Path, step: DecodeStep) -> str:
     bound = F16_BOUND if model_dtype(step.model) == torch.float16 else None
     try:
         runnable = tract_check.load(path)
+        main = tract_check.load(reference) if reference is not None else None
         for past in (0, 5):
             args = step.example_inputs(seq_len=1, past_len=past)
-            found = tract_check.compare(runnable, step.eager(*args), args, tolerance=bound)
+            want = step.eager(*args) if main is None else [
+                torch.from_numpy(x) for x in tract_check.run(main, args)]
+            found = tract_check.compare(runnable, want, args, tolerance=bound)
             if not found.ok:
                 return f"at P = {past} it differs from eager: {found}"[:600]
     except Exception as error:  # noqa: BLE001 (tract's errors: any failure drops the graph)
         lines = [line for line in str(error).splitlines() if line.strip()]
         return f"tract fails on it: {' / '.join(lines[:3])[:300]}"
     return ""
+
+
+def with_stored_weights(model: nn.Module, path: Union[str, Path]) -> nn.Module:
+    """A copy of ``model`` holding the weights as the export at ``path`` stores them (f16
+    rounded, Q4_0 dequantized; ``tract_check.stored_parameters``): the model tract runs, to
+    check a compressed export against transformers. A product's own Q4_0 copy of a table
+    the embedding also reads (label ``<name>_q4_0``) unties it in the copy."""
+    import copy
+
+    from gdn_fx import tract_check
+
+    twin = copy.deepcopy(model)
+    stored = tract_check.stored_parameters(path)
+    prefix = "model."  # DecodeStep holds the model as its attribute ``model``
+    own_copies = {}
+    with torch.no_grad():
+        for label, values in stored.items():
+            name = label[len(prefix):] if label.startswith(prefix) else label
+            if name.endswith("_q4_0"):
+                own_copies[name[: -len("_q4_0")]] = values
+                continue
+            try:
+                param = twin.get_parameter(name)
+            except AttributeError:  # a constant of the graph, not a parameter
+                continue
+            if tuple(param.shape) == values.shape:
+                param.copy_(torch.from_numpy(values).to(param.dtype))
+        for name, values in own_copies.items():
+            owner, _, field = name.rpartition(".")
+            setattr(twin.get_submodule(owner), field, nn.Parameter(
+                torch.from_numpy(values).to(model_dtype(model)), requires_grad=False))
+    return twin
 
 
 # --- running it in tract ------------------------------------------------------------------
