@@ -1,0 +1,208 @@
+"""export_nnef(..., weights="f32" | "f16" | "q4_0"): what the NNEF stores and what tract computes.
+
+The expected values come from outside the code under test: the model's own parameters, a Q4_0
+decoder written here from the format (not gdn_fx.tract_check's), and transformers' eager
+forward on a copy of the model that holds the decoded weights.
+
+Measured on the tiny qwen3_5 decode step (f32): tract against eager, max relative error over
+the outputs, f32 2.7e-7, f16 4.5e-4, q4_0 0.13 (4-bit weights in a random 32-wide model);
+tract against eager on the weights as stored: f16 and q4_0 <= 6e-7.
+"""
+
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+import gdn_fx
+from gdn_fx import tract_check
+from gdn_fx.errors import GdnFxError, UsageError
+from gdn_fx.hf import DecodeStep, tiny_model
+
+# Bounds, from the figures measured above with room for other seeds and platforms.
+AS_STORED = 1e-5  # tract vs eager on the stored weights: same arithmetic, f32 rounding only
+F16_VS_EAGER = 2e-3  # weights rounded to f16 once (2^-11 relative per weight)
+Q4_VS_EAGER = 0.35  # 4-bit codes: up to half a step of max|block| / 8 per weight
+Q4_AT_LEAST = 1e-3  # and it is not f32: a q4_0 export that did not quantize would be exact
+HEADER = 128
+
+
+def _dat_files(path):
+    with tarfile.open(path) as archive:
+        return {m.name[: -len(".dat")]: archive.extractfile(m).read()
+                for m in archive.getmembers() if m.name.endswith(".dat")}
+
+
+def _decode_q4(raw: bytes, shape) -> np.ndarray:
+    """Q4_0 as tract's format defines it: 18-byte blocks of 32 weights, an f16 scale, then 16
+    bytes holding weights j (low nibble) and j + 16 (high nibble), weight = (code - 8) * scale."""
+    data = np.frombuffer(raw[HEADER:], dtype=np.uint8).reshape(-1, 18)
+    scale = np.frombuffer(data[:, :2].tobytes(), dtype=np.float16).astype(np.float32)
+    low, high = data[:, 2:] & 15, data[:, 2:] >> 4
+    codes = np.concatenate([low, high], axis=1).astype(np.float32)
+    return ((codes - 8) * scale[:, None]).reshape(shape)
+
+
+def _linear_weights(model):
+    """{program parameter name: tensor} of every nn.Linear weight with a 32-multiple width."""
+    return {f"model.{name}.weight": module.weight for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module.in_features % 32 == 0}
+
+
+def _twin(model, weights: dict):
+    """A copy of ``model`` whose parameters named in ``weights`` (program names) hold them."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, values in weights.items():
+            twin.get_parameter(name[len("model."):]).copy_(torch.as_tensor(values))
+    return twin
+
+
+def _max_error(path, want, args) -> float:
+    found = tract_check.compare(path, want, args, tolerance=1.0)
+    return max(found.errors)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The tiny qwen3_5 decode step, collapsed, written in every weight format."""
+    model = tiny_model("qwen3_5")
+    step = DecodeStep(model)
+    args = step.example_inputs(seq_len=1)
+    program = gdn_fx.collapse(torch.export.export(step, args)).program
+    folder = tmp_path_factory.mktemp("weights")
+    paths = {w: gdn_fx.export_nnef(program, folder / f"{w}.nnef.tgz", weights=w,
+                                   input_names=step.input_names,
+                                   output_names=step.output_names)
+             for w in ("f32", "f16", "q4_0")}
+    return model, step, args, paths
+
+
+def test_f32_is_the_default_and_stores_the_parameters_as_they_are(exported):
+    model, step, args, paths = exported
+    files = _dat_files(paths["f32"])
+    for name, weight in _linear_weights(model).items():
+        assert files[name][HEADER:] == weight.detach().numpy().astype(np.float32).tobytes()
+    assert _max_error(paths["f32"], step.eager(*args), args) <= 1e-4
+    assert "gdn_fx_weights" in tract_check.nnef_text(paths["f32"])
+
+
+def test_f16_stores_half_and_computes_with_the_rounded_weights(exported):
+    model, step, args, paths = exported
+    files = _dat_files(paths["f16"])
+    params = dict(model.named_parameters())
+    rounded = {}
+    for name, param in params.items():
+        raw = files[f"model.{name}"]
+        assert len(raw) - HEADER == param.numel() * 2, name  # f16: 2 bytes a weight
+        assert raw[HEADER:] == param.detach().half().numpy().tobytes(), name
+        rounded[f"model.{name}"] = param.detach().half().float()
+    eager = step.eager(*args)
+    assert _max_error(paths["f16"], eager, args) <= F16_VS_EAGER
+    as_stored = DecodeStep(_twin(model, rounded)).eager(*args)
+    assert _max_error(paths["f16"], as_stored, args) <= AS_STORED
+    # the casts are folded by tract, not by torch-to-nnef: no f32 copy in the file
+    assert not [n for n in files if n.endswith("_raw2d")]
+
+
+def test_q4_0_stores_linear_weights_in_18_bytes_per_32(exported):
+    model, _, _, paths = exported
+    f32, q4 = _dat_files(paths["f32"]), _dat_files(paths["q4_0"])
+    linear = _linear_weights(model)
+    assert linear  # the test would be empty otherwise
+    for name, weight in linear.items():
+        assert len(q4[name]) - HEADER == weight.numel() // 32 * 18, name
+    stored = sum(len(q4[n]) - HEADER for n in linear)
+    plain = sum(len(f32[n]) - HEADER for n in linear)
+    assert stored / plain == pytest.approx(9 / 64)  # ~1/7 of f32
+    # (torch-to-nnef folds some parameters into constants of its own naming)
+    others = ({f"model.{n}" for n, _ in model.named_parameters()} - set(linear)) & set(f32)
+    assert others
+    for name in others:  # norms, conv filters, the embedding: as in the f32 export
+        assert q4[name] == f32[name], name
+    assert paths["q4_0"].stat().st_size < paths["f32"].stat().st_size
+
+
+def test_q4_0_tract_computes_with_the_decoded_weights(exported):
+    model, step, args, paths = exported
+    q4 = _dat_files(paths["q4_0"])
+    decoded = {n: _decode_q4(q4[n], tuple(w.shape)) for n, w in _linear_weights(model).items()}
+    for name, weight in _linear_weights(model).items():
+        # min-max blocks of 32, step max|block| / 8: rounding to the nearest code leaves half a
+        # step (median a quarter), the block's extreme of one sign is clipped to the last code
+        # (one step); the f16 scale adds up to 8 codes x 2^-11 (measured worst 1.0033 steps)
+        w = weight.detach().numpy().reshape(-1, 32)
+        step_size = np.abs(w).max(axis=1, keepdims=True) / 8
+        error = np.abs(decoded[name].reshape(-1, 32) - w)
+        assert (error <= step_size * 1.01).all(), name
+        assert np.median(error / step_size) < 0.3, name
+    as_stored = DecodeStep(_twin(model, decoded)).eager(*args)
+    assert _max_error(paths["q4_0"], as_stored, args) <= AS_STORED
+    against_eager = _max_error(paths["q4_0"], step.eager(*args), args)
+    assert Q4_AT_LEAST <= against_eager <= Q4_VS_EAGER
+
+
+def test_q4_0_tied_lm_head_gets_its_own_copy(tmp_path):
+    model = tiny_model("qwen3_5", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    step = DecodeStep(model)
+    args = step.example_inputs(seq_len=1)
+    program = gdn_fx.collapse(torch.export.export(step, args)).program
+    path = gdn_fx.export_nnef(program, tmp_path / "tied.nnef.tgz", weights="q4_0",
+                              input_names=step.input_names, output_names=step.output_names)
+    files = _dat_files(path)
+    table = model.lm_head.weight.detach()
+    copies = [n for n in files if n.endswith("_q4_0")]
+    assert len(copies) == 1 and len(files[copies[0]]) - HEADER == table.numel() // 32 * 18
+    gathered = [n for n in files if files[n][HEADER:] == table.numpy().tobytes()]
+    assert gathered  # the embedding still gathers from the f32 table
+    decoded = {n: _decode_q4(files[n], tuple(w.shape)) for n, w in _linear_weights(model).items()
+               if n in files and len(files[n]) - HEADER == w.numel() // 32 * 18}
+    twin = _twin(model, decoded)
+    twin.lm_head.weight = torch.nn.Parameter(torch.from_numpy(
+        _decode_q4(files[copies[0]], tuple(table.shape))))  # untied: the head's own copy
+    as_stored = DecodeStep(twin).eager(*args)
+    assert _max_error(path, as_stored, args) <= AS_STORED
+
+
+def test_stored_parameters_reads_back_what_was_written(exported):
+    model, _, _, paths = exported
+    q4 = _dat_files(paths["q4_0"])
+    read = tract_check.stored_parameters(paths["q4_0"])
+    for name, weight in _linear_weights(model).items():
+        assert np.array_equal(read[name], _decode_q4(q4[name], tuple(weight.shape)))
+
+
+def test_unknown_format_is_refused_before_any_work(tmp_path):
+    program = torch.export.export(torch.nn.Linear(32, 4), (torch.randn(2, 32),))
+    with pytest.raises(UsageError, match="q8.*f32, f16, q4_0"):
+        gdn_fx.export_nnef(program, tmp_path / "x.nnef.tgz", weights="q8")
+    assert issubclass(UsageError, GdnFxError) and not list(tmp_path.iterdir())
+
+
+def test_kept_weights_are_reported(tmp_path):
+    """A weight whose width is not a multiple of 32 stays f32, and the program still runs."""
+    layer = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.Linear(24, 8))
+    x = torch.randn(3, 32)
+    program = torch.export.export(layer, (x,))
+    path = gdn_fx.export_nnef(program, tmp_path / "m.nnef.tgz", weights="q4_0")
+    files = _dat_files(path)
+    assert len(files["0.weight"]) - HEADER == 24 * 32 // 32 * 18
+    assert files["1.weight"][HEADER:] == layer[1].weight.detach().numpy().tobytes()
+    assert "q4_0: 1 converted" in tract_check.nnef_text(path)
+
+
+@pytest.mark.slow
+def test_generator_q4_0_generates_like_transformers_on_the_stored_weights(tmp_path):
+    from gdn_fx.hf.generator import (Generator, check_generation, export_generator,
+                                     with_stored_weights)
+
+    model = tiny_model("qwen3_5")
+    files = export_generator(model, tmp_path / "q.nnef.tgz", weights="q4_0")
+    assert files.decode is not None, files.decode_note
+    result = Generator(files.main, files.decode).generate([5, 9, 17, 33, 4, 8], 12)
+    found = check_generation(with_stored_weights(model, files.main), result)
+    assert found.ok, found
