@@ -11,6 +11,7 @@ peak (a 512 x 1024 x 4096 product in tract) for prefill.
     .venv/bin/python bench/bench_generate.py              # the 0.8B shape (~15 min)
     .venv/bin/python bench/bench_generate.py --quick      # 4 layers, vocab 32k (~2 min)
     .venv/bin/python bench/bench_generate.py --formats f16   # only the f16 artifact
+    .venv/bin/python bench/bench_generate.py --formats q4_0  # f32 model, Q4_0 matmul weights
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ QUICK = dict(SHAPE, vocab_size=32000, num_hidden_layers=4, layer_types=[LIN, LIN
 PAST, PREFILL, DECODE_STEPS = 512, 512, 8
 
 
-FORMATS = {"f32": "float32", "f16": "float16"}  # the artifact's weights and compute
+# name -> (the model's dtype: its compute, export_nnef's weights=): f16 is the model in f16;
+# q4_0 is the f32 model with its matmul weights stored as tract's Q4_0 blocks.
+FORMATS = {"f32": ("float32", "f32"), "f16": ("float16", "f32"), "q4_0": ("float32", "q4_0")}
 
 
 def build(shape: dict, dtype: str = "float32"):
@@ -215,19 +218,24 @@ def _export(shape: dict, fmt: str, folder: Path) -> dict:
     """Build the model in ``fmt`` and write its generation-ready artifact; what was written."""
     from gdn_fx.hf.generator import export_generator
 
-    model = build(shape, FORMATS[fmt])
+    dtype, weights = FORMATS[fmt]
+    model = build(shape, dtype)
     params = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight.numel()
     start = time.perf_counter()
-    files = export_generator(model, folder / f"model_{fmt}.nnef.tgz")
+    files = export_generator(model, folder / f"model_{fmt}.nnef.tgz", weights=weights)
     seconds = time.perf_counter() - start
     size = next(model.parameters()).element_size()
     written = [p for p in (files.main, files.decode) if p is not None]
+    # q4_0: the bytes the main graph stores but the f32 embedding table, of which a decode
+    # step reads one row (the tied head reads its own Q4_0 copy)
+    weight_bytes = (params * size if weights == "f32"
+                    else files.main.stat().st_size - embedding * size)
     # Prefill matmuls: every weight but the embedding table once per token (the tied head
     # runs on the last position only); attention's own S^2 terms are small at S = 512.
     return dict(main=str(files.main), decode=str(files.decode or ""), export=seconds,
                 nnef=sum(p.stat().st_size for p in written), params=params, dtype_bytes=size,
-                weight_bytes=params * size, flops_per_token=2 * (params - embedding))
+                weight_bytes=weight_bytes, flops_per_token=2 * (params - embedding))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ def prepare_for_nnef(model: nn.Module) -> nn.Module:
     op ``transformers::grouped_mm_fallback``, which torch-to-nnef has no handler for; the
     ``batched_mm`` kernel computes the same with a gather of each token's expert weights and
     batched matmuls, all plain aten ops. Models without experts are left as they are.
+    Optional since ``export_nnef`` spells the custom op as plain ops itself
+    (``gdn_fx.lowering.t2n.moe``); the generation exports still call it (one graph less to
+    rewrite).
     """
     setter = getattr(model, "set_experts_implementation", None)
     if setter is not None:
