@@ -60,8 +60,7 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
     weights: how the program's parameters are stored (gdn_fx.lowering.t2n.weights):
         ``"f32"`` (the default) as the program holds them; ``"f16"``: every floating-point
         parameter stored in f16 and cast back to its dtype where it is read (half the file;
-        tract folds the casts at load, so memory and arithmetic stay in the program's dtype,
-        the weights rounded to f16 once); ``"q4_0"``: every 2-D weight of a matrix product
+        the arithmetic stays in the program's dtype on the weights rounded to f16 once); ``"q4_0"``: every 2-D weight of a matrix product
         over its last axis (``linear``, ``x @ W.t()``, a tied lm_head with its embedding)
         whose last axis is a multiple of 32 in tract's Q4_0 (blocks of 32 weights with one
         f16 scale, min-max calibrated: 18 bytes per 32 weights, 9/64 of f32; tract multiplies

@@ -4,9 +4,10 @@
 
 - ``f32``: every parameter written in its own dtype (the default; nothing changes).
 - ``f16``: every floating-point parameter not already in f16 is stored as f16 and cast back to
-  its own dtype where the program reads it (a ``tract_core_cast``). The computation keeps the program's
-  dtype: tract folds the cast of a constant at load, so the file is half the size and the
-  weights in memory and the arithmetic are those of the program (rounded to f16 once).
+  its own dtype where the program reads it (a ``tract_core_cast``): the file holds half the
+  bytes, the arithmetic is the program's dtype on the weights rounded to f16 once. tract's
+  constant folding may turn the casts into f32 constants at load (then memory and speed are
+  those of f32); that was not profiled here.
 - ``q4_0``: every 2-D floating-point parameter that the program reads only as the weight of a
   matrix product over its last axis (``linear(x, W)``, ``matmul(x, W.t())``; also a table that
   an embedding gathers rows from when the same table is such a weight, i.e. a tied lm_head)
@@ -104,7 +105,7 @@ def _set_attribute(module: fx.GraphModule, target: str, value) -> None:
 # result as one more variable (``<name>_weight_raw2d``), so the file would hold both copies.
 # The op therefore also takes one program input (``anchor``, never read): with a
 # non-constant input torch-to-nnef leaves it an op, and its handler emits only the cast of
-# the variable, which tract folds at load.
+# the variable.
 STORED_CAST = "gdn_fx_stored_weight"
 
 
