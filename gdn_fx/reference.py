@@ -90,8 +90,7 @@ def delta_rule_step(state: Tensor, decay: Tensor, q_t: Tensor, k_t: Tensor, v_t:
     """One timestep: returns (new state, out_t). State [..., Dk, Dv]; decay broadcasts to it.
 
     ``S = S * decay; delta = (v_t - k_t^T S) * beta_t; S = S + k_t delta^T; out_t = q_t^T S``.
-    This is also the step the collapse pass searches for (gdn_fx.passes.patterns traces it),
-    so it is written the way the models write it: k_t unsqueezed once per use.
+    Written the way the models write it: k_t unsqueezed once per use.
     """
     state = state * decay
     kv = (state * k_t.unsqueeze(-1)).sum(dim=-2)

@@ -17,7 +17,6 @@ from torch import fx
 from gdn_fx.passes.conv_update import collapse_conv_updates, find_conv_updates
 from gdn_fx.passes.gdn_chunk import collapse_chunked, find_chunked
 from gdn_fx.passes.gdn_recurrent import collapse_recurrences, find_unrolled as _unrolled_steps
-from gdn_fx.passes.leftover_loops import leftover_loops
 from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.result import CollapseResult, Miss
 from gdn_fx.passes.validate import Validator, compare_programs
@@ -77,7 +76,6 @@ def _collapse(program: Any, inplace: bool, verify: bool, example_inputs) -> Coll
             misses.extend(rejected)
         counts[name] = counts.get(name, 0) + len(keys)
         graph = new
-    misses.extend(leftover_loops(graph, "gated_delta_scan"))
     if inplace:
         gm.graph = graph
     else:

@@ -1,33 +1,50 @@
 """Rule: an unrolled gated-delta recurrence becomes one ``gdn_fx::gated_delta_scan`` node.
 
-Search pattern (T steps, chained along the state, reading the same q/k/v/g/beta):
-    for t in 0..T-1:  S = S * decay(g_t);  S += k_t (outer) ((v_t - k_t^T S) * beta_t)
-                      buf[.., t, ..] = q_t^T S
-Rewrite:  out, S_T = gated_delta_scan(q, k, v, g, beta, S_0, scale, qk_l2norm)
-          buf -> out (transposed back when the loop was head-major);  S_T's users -> S_T.
-Guards (each failure is a near-miss, and the region stays as it was): every step matches the
-pattern with the right literals and no outside users; the chain covers t = 0..T-1 in order; the
-outputs are gathered by a recognized write (loop_outputs.py); dtypes agree with the op's.
+Found by structure, decided by meaning:
+  1. loops.py finds loops over time (tensors read one position at a time, a carried state)
+     and cuts them into steps, whatever ops the steps use;
+  2. step_meaning.py runs step bodies in float64 and finds the layout (layouts.py) under which
+     each is the gated delta rule; steps that are structurally the same as the step before
+     (same ops, same literals, inputs in the same roles) share its verdict, the others are
+     evaluated too;
+  3. the region (every step, the gathered output, the final state) is replaced by the op,
+     with permutes / reshapes outside it where the layout needs them.
+Guards (each failure is a near-miss naming the step and node, and the loop stays as it was):
+every step reads the same tensors at its own position and one state from the step before;
+no intermediate value is read outside the loop; in-place writes touch only the loop's own
+values; the outputs are gathered by a recognized write (loop_outputs.py); dtypes agree with
+the op's. Translation validation (validate.py) then runs the whole program both ways.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Optional
 
 from torch import fx
 
+from gdn_fx.passes.layouts import Plan, plan_operands
 from gdn_fx.passes.loop_outputs import gather
-from gdn_fx.passes.operands import scan_operands
-from gdn_fx.passes.patterns import TIME_AXIS
-from gdn_fx.passes.program import fake_mode_of
+from gdn_fx.passes.loops import (Cluster, Loop, Step, cut_steps, descendants_in, find_clusters,
+                                 state_like, step_candidates, tag_window, walk_body)
+from gdn_fx.passes.program import fake_mode_of, shape
 from gdn_fx.passes.rebuild import rebuild
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
-from gdn_fx.passes.steps import (SOURCES, Step, chains, check_chain, find_steps, step_nodes,
-                                  time_length)
+from gdn_fx.passes.step_meaning import Outcome, decide
 
 NAME = "gated_delta_scan"
+LOOP_LIKE = 3  # a loop reading this many tensors position by position gets a near-miss
+
+
+@dataclass
+class Recurrence:
+    """A proven loop: its region and the op's operands."""
+
+    region: ScanRegion
+    plan: Plan
+    length: int
 
 
 def collapse_recurrences(graph: fx.Graph, only: Optional[set] = None
@@ -37,47 +54,239 @@ def collapse_recurrences(graph: fx.Graph, only: Optional[set] = None
 
     ``graph`` is read, never modified: the result is rebuilt from the surviving nodes.
     """
-    steps, failures = find_steps(graph)
-    known = step_nodes(steps)
-    misses = [_miss(f.error, f.partial.index) for f in failures
-              if f.complete or f.touches(known)]
-    fusions, order = [], _order(graph)
-    mode = fake_mode_of(graph) if steps else None
-    for chain in chains(steps):
+    found, misses = find_recurrences(graph)
+    order = _order(graph)
+    mode = fake_mode_of(graph) if found else None
+    fusions = []
+    for rec in found:
+        if only is not None and rec.region.meta_source.name not in only:
+            continue
         try:
-            check_chain(chain)
-            region = _region(chain, order)
-            head = chain[0]
-            operands = scan_operands({n: head.source(n) for n in SOURCES}, head.state_in,
-                                     head_major=TIME_AXIS[head.kind] == 2)
-            check_dtypes(region, operands)
-            if only is None or region.meta_source.name in only:
-                fusions.append(plan_scan(region, operands, order, mode))
+            fusions.append(plan_scan(rec.region, rec.plan.operands, order, mode))
         except NoMatch as err:
-            misses.append(_miss(err, err.step, time_length(chain[0])))
+            misses.append(Miss(NAME, err.reason, node=err.node, of=rec.length))
     new = rebuild(graph, fusions) if fusions else copy.deepcopy(graph)
     return new, [f.key for f in fusions], misses
 
 
+def find_recurrences(graph: fx.Graph) -> tuple[list[Recurrence], list[Miss]]:
+    """Every loop that is the delta rule, and a near-miss for each loop-like one that is not."""
+    order = _order(graph)
+    nodes = list(graph.nodes)
+    found, misses = [], []
+    for cluster in find_clusters(graph, order):
+        tags = tag_window(nodes, cluster)
+        try:
+            candidates = step_candidates(cluster, tags, order)
+        except NoMatch as err:
+            if _loop_like(cluster):
+                misses.append(_miss(err, cluster.length))
+            continue
+        here, failed = [], []
+        for outs in candidates:
+            try:
+                here.append(_recurrence(cluster, tags, outs, order))
+            except NoMatch as err:
+                if _loop_like(cluster, outs, tags):
+                    failed.append((outs[0], _miss(err, cluster.length)))
+        fused = {n for rec in here for n in rec.region.nodes}
+        found += here  # a single step's other candidates inside a proven step are not misses
+        misses += [miss for out, miss in failed if out not in fused]
+    return found, misses
+
+
 def find_unrolled(graph: fx.Graph) -> list[str]:
-    """Descriptions of unrolled recurrence steps in the graph (complete or nearly so)."""
-    steps, failures = find_steps(graph)
-    found = [f"unrolled {s.kind} step at time index {s.index} (node {s.out.name})" for s in steps]
-    return found + [f"unrolled step that did not check out at node {f.error.node}: "
-                    f"{f.error.reason}" for f in failures if f.complete]
+    """Descriptions of loops over time still unrolled in the graph (found by structure)."""
+    order, nodes, found = _order(graph), list(graph.nodes), []
+    for cluster in find_clusters(graph, order):
+        tags = tag_window(nodes, cluster)
+        try:
+            candidates = step_candidates(cluster, tags, order)
+        except NoMatch:
+            continue
+        for outs in candidates:
+            try:
+                loop = cut_steps(cluster, tags, outs, order)
+            except NoMatch:
+                continue
+            if len(loop.groups) >= LOOP_LIKE:
+                found.append(f"unrolled {loop.length}-step loop over state "
+                             f"{loop.steps[0].state_in.name} (node {outs[0].name})")
+    return found
 
 
-def _miss(err: NoMatch, step, of=None) -> Miss:
-    return Miss(NAME, err.reason, node=err.node, step=step, of=of)
+def _loop_like(cluster: Cluster, outs=None, tags=None) -> bool:
+    """Worth a near-miss: a loop reading >= 3 tensors (a single step only once its body is
+    known to read them: size-1 reads are everywhere in a decode graph)."""
+    groups = len({(r.source, r.axis) for r in cluster.reads.values()})
+    if outs is None or cluster.length >= 2:
+        return cluster.length >= 2 and groups >= LOOP_LIKE
+    try:
+        body = walk_body([outs[-1]], cluster.length - 1, tags, cluster)
+    except NoMatch:
+        return False
+    return len(body[1]) >= LOOP_LIKE and any(state_like(c) for c in body[3])
+
+
+def _miss(err: NoMatch, length: int) -> Miss:
+    return Miss(NAME, err.reason, node=err.node, step=err.step, of=length)
 
 
 def _order(graph: fx.Graph) -> dict:
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
-def _region(chain: list[Step], order: dict) -> ScanRegion:
-    """The loop's nodes, its gathered output and final state."""
-    gathered = gather([s.out for s in chain], order)
-    nodes = {n for s in chain for n in s.match.computed()}
-    return ScanRegion(nodes, gathered.value, gathered.axis, chain[-1].state_out, chain[0].out,
-                      gathered.erase)
+def _recurrence(cluster: Cluster, tags: dict, outs: list, order: dict) -> Recurrence:
+    loop = cut_steps(cluster, tags, outs, order)
+    _check_reads(loop)
+    last, outcome = _last_step(loop, cluster, tags, order)
+    layout = outcome.layout
+    _check_steps(loop, layout)
+    gathered = gather(outs, order)
+    final = last.state_out
+    region = ScanRegion(_region_nodes(loop), gathered.value, gathered.axis, final, outs[0],
+                        gathered.erase)
+    _check_leaks(loop, region)
+    plan = plan_operands(layout, loop.groups, loop.steps[0].state_in, shape(gathered.value),
+                         gathered.axis, loop.length)
+    region.out_steps = plan.out_steps
+    region.final_steps = plan.final_steps
+    check_dtypes(region, plan.operands)
+    return Recurrence(region, plan, loop.length)
+
+
+def _check_reads(loop: Loop) -> None:
+    """Every step reads the same tensors (each at its own position: loops.walk_body)."""
+    first = set(loop.steps[0].reads)
+    for step in loop.steps[1:]:
+        if set(step.reads) != first:
+            extra, missing = set(step.reads) - first, first - set(step.reads)
+            what = (f"reads {min(extra, key=_name)[0].name}, which step 0 does not" if extra
+                    else f"does not read {min(missing, key=_name)[0].name}, which step 0 reads")
+            raise NoMatch(f"step {step.t} {what}", node=step.out, step=step.t)
+
+
+def _name(group) -> str:
+    return group[0].name
+
+
+def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict) -> tuple[Step, Outcome]:
+    """The last step with its new state: the state-shaped value after the state that makes
+    the step the delta rule (None when the loop's final state is not computed)."""
+    last = loop.steps[-1]
+    t = loop.length - 1
+    candidates = sorted((c for c in descendants_in(last.state_in, tags, t)
+                         if state_like(c, last.state_in)), key=order.__getitem__)
+    passing, chosen, nearest = [], None, None
+    for final in candidates + [None]:
+        if final is None and passing:
+            break
+        body, reads, earlier, consts = walk_body([last.out] + ([final] if final else []), t,
+                                                 tags, cluster)
+        if len(earlier) > 1 or (t > 0 and earlier != [last.state_in]):
+            continue
+        step = Step(t, last.state_in, final, last.out, reads,
+                    sorted(body, key=order.__getitem__),
+                    [c for c in consts if c is not last.state_in])
+        outcome = decide(step, final, loop.groups)
+        if outcome.layout is not None:
+            passing.append((step, outcome))
+            if final is not None and any(u not in body for u in final.users):
+                chosen = passing[-1]  # the state the program reads after the loop
+                break
+        elif nearest is None or (outcome.state_error, outcome.out_error) < (
+                nearest[1].state_error, nearest[1].out_error):
+            nearest = (step, outcome)
+    if not passing:
+        step, outcome = nearest
+        raise NoMatch(_not_delta(step, outcome), node=step.out, step=step.t)
+    step, outcome = chosen or passing[0]
+    loop.steps[-1] = step
+    return step, outcome
+
+
+def _not_delta(step: Step, outcome: Outcome) -> str:
+    if outcome.hint:
+        return f"step {step.t} is not the delta rule: {outcome.hint}"
+    return (f"step {step.t} is not the delta rule under any layout its shapes allow: the "
+            f"nearest differs by {outcome.state_error:.2g} in the new state and "
+            f"{outcome.out_error:.2g} in the output (relative, float64)")
+
+
+def _check_steps(loop: Loop, layout) -> None:
+    """Steps structurally equal to the step before share its verdict; the others (and step
+    0, whose state comes from outside) are evaluated."""
+    steps = loop.steps
+    for t in range(len(steps) - 2, -1, -1):
+        step = steps[t]
+        if t > 0 and t + 1 < len(steps) - 1 and _same_step(step, steps[t + 1]):
+            continue
+        outcome = decide(step, step.state_out, loop.groups)
+        if outcome.layout is None:
+            raise NoMatch(_not_delta(step, outcome), node=step.out, step=t)
+        if (outcome.layout.roles, outcome.layout.key_first, outcome.layout.log_gate) != (
+                layout.roles, layout.key_first, layout.log_gate) or \
+                abs(outcome.layout.scale - layout.scale) > 1e-9 * abs(layout.scale):
+            raise NoMatch(f"step {t} is the delta rule in another layout ("
+                          f"{outcome.layout.describe()}) than the last step ("
+                          f"{layout.describe()})", node=step.out, step=t)
+
+
+def _same_step(a: Step, b: Step) -> bool:
+    """Whether ``b`` computes what ``a`` does, node for node, from the inputs in the same
+    roles (its own state and reads) and the same invariants and literals."""
+    if len(a.body) != len(b.body) or set(a.reads) != set(b.reads):
+        return False
+    m = {a.state_in: b.state_in}
+    for group, nodes in a.reads.items():
+        others = b.reads[group]
+        if len(others) != len(nodes):
+            return False
+        m.update(zip(nodes, others))
+    for x, y in zip(a.body, b.body):
+        if x.target != y.target or x.op != y.op:
+            return False
+        mapped = fx.node.map_arg((x.args, x.kwargs), lambda n: m.get(n, n))
+        if not _equal(mapped, (y.args, y.kwargs)):
+            return False
+        m[x] = y
+    return m.get(a.out) is b.out and (a.state_out is None or m.get(a.state_out) is b.state_out)
+
+
+def _equal(x, y) -> bool:
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
+    if isinstance(x, fx.Node) or isinstance(y, fx.Node):
+        return x is y
+    return type(x) is type(y) and x == y
+
+
+def _region_nodes(loop: Loop) -> set:
+    return {n for step in loop.steps for n in step.body}
+
+
+def _check_leaks(loop: Loop, region: ScanRegion) -> None:
+    """Only the gathered outputs and the final state leave the loop; in-place writes only
+    touch the loop's own values."""
+    inside = region.nodes
+    allowed = {s.out for s in loop.steps} | {region.final}
+    for step in loop.steps:
+        for node in step.body:
+            if node in allowed:
+                continue
+            outside = [u for u in node.users if u not in inside]
+            if outside:
+                raise NoMatch(f"intermediate value {node.name} of step {step.t} is also read "
+                              f"by {outside[0].name} outside the loop", node=node, step=step.t)
+            target = node.args[0] if node.args else None
+            if _mutates(node) and isinstance(target, fx.Node) and target not in inside and \
+                    any(u not in inside for u in target.users):
+                raise NoMatch(f"{node.name} writes {target.name} in place, which is read "
+                              "outside the loop", node=node, step=step.t)
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)

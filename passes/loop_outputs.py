@@ -5,6 +5,9 @@ Four encodings reach us, one per way of exporting ``buf[:, :, t] = out_t`` or a 
     scatter:   buf' = select_scatter(buf, copy(select(buf, axis, t), out_t), axis, t)
     where:     buf' = where(arange(T) == t, expand(unsqueeze(copy(..), axis)), buf)  (core aten)
     stack:     stack([out_0, ..., out_T-1], axis)  or  cat([unsqueeze(out_t, axis)...], axis)
+               or cat([out_t...], axis) of values with a size-1 axis there (bmm outputs)
+    one step:  unsqueeze(out_0, axis) (a decode step's "stack of one")
+A buffer position is a select, or a size-1 slice ``buf[:, t:t+1]`` (slice_scatter to write).
 Every position 0..T-1 must be written exactly once, in order, so the buffer's initial content
 never shows; the gathered value is then exactly the fused op's output along ``axis``.
 """
@@ -36,6 +39,9 @@ class Gathered:
 def gather(outs: list[fx.Node], order: dict) -> Gathered:
     """Recognize how ``outs`` (out_0..out_T-1) are gathered; raise NoMatch with the reason."""
     first = _only_user(outs[0], 0)
+    if first.target is ATEN.unsqueeze.default and len(outs) == 1 and not (
+            len(first.users) == 1 and next(iter(first.users)).target in STACKS):
+        return Gathered(first, first.args[1] % len(shape(first)))
     if first.target is ATEN.unsqueeze.default and len(first.users) == 1:
         first = next(iter(first.users))  # core aten spells stack as cat of unsqueezes
     if first.target in (ATEN.stack.default, ATEN.cat.default):
@@ -55,12 +61,25 @@ def _only_user(node: fx.Node, step: int) -> fx.Node:
     return next(iter(node.users))
 
 
+STACKS = (ATEN.stack.default, ATEN.cat.default)
+
+
+def _position(node: fx.Node) -> Optional[int]:
+    """t for select(buf, axis, t) or slice(buf, axis, t, t + 1), else None."""
+    if node.target is ATEN.select.int:
+        return node.args[2]
+    if node.target is ATEN.slice.Tensor and len(node.args) >= 4 and \
+            (len(node.args) < 5 or node.args[4] == 1) and node.args[3] == node.args[2] + 1:
+        return node.args[2]
+    return None
+
+
 def _time_select(node, buf, axis, t, step) -> int:
-    """Check ``node`` is select(buf, axis, t); return the axis (normalized)."""
-    if node.target is not ATEN.select.int or node.args[0] is not buf:
-        raise NoMatch(f"step {step} writes through {node.name}, not a select of the buffer",
+    """Check ``node`` is buffer position t along ``axis``; return the axis (normalized)."""
+    if _position(node) is None or node.args[0] is not buf:
+        raise NoMatch(f"step {step} writes through {node.name}, not a position of the buffer",
                       node=node, step=step)
-    dim, index = node.args[1] % len(shape(buf)), node.args[2]
+    dim, index = node.args[1] % len(shape(buf)), _position(node)
     if index != t or (axis is not None and dim != axis):
         raise NoMatch(f"writes buffer position {index} on axis {dim}, expected {t} on {axis}",
                       node=node, step=step)
@@ -155,14 +174,14 @@ def _functional(outs: list[fx.Node]) -> Gathered:
 def _next_buffer(copy: fx.Node, buf: fx.Node, axis: int, t: int, length: int) -> fx.Node:
     """The buffer value after step t's write (select_scatter or the core-aten where form)."""
     user = _only_user(copy, t)
-    if user.target is ATEN.select_scatter.default:
+    if user.target in (ATEN.select_scatter.default, ATEN.slice_scatter.default):
         if user.args[0] is not buf or user.args[2] % len(shape(buf)) != axis or user.args[3] != t:
-            raise NoMatch("select_scatter writes another buffer or position", node=user, step=t)
+            raise NoMatch(f"{user.name} writes another buffer or position", node=user, step=t)
         nxt = user
     else:
         nxt = _where_write(user, buf, axis, t, length)
     if t < length - 1:
-        readers = [u for u in nxt.users if u.target is ATEN.select.int]
+        readers = [u for u in nxt.users if _position(u) is not None]
         if len(nxt.users) != 2 or len(readers) != 1:
             raise NoMatch(f"the buffer after step {t} is read outside the loop", node=nxt, step=t)
     return nxt
@@ -206,6 +225,10 @@ def _stacked(outs: list[fx.Node], node: fx.Node) -> Gathered:
     rank = len(shape(node))
     axis = (node.args[1] if len(node.args) > 1 else 0) % rank
     if node.target is ATEN.cat.default and items == list(outs):
+        if not _stack_view(node, outs) and all(shape(o)[axis] == 1 for o in outs):
+            for t, out in enumerate(outs):  # values with a size-1 time axis, concatenated
+                _only_user(out, t)
+            return Gathered(node, axis)
         node, axis = _cat_then_view(node, outs)  # stack decomposed as view(cat(outs))
     elif node.target is ATEN.cat.default:
         items = [_unsqueezed(item, axis) for item in items]
@@ -214,6 +237,14 @@ def _stacked(outs: list[fx.Node], node: fx.Node) -> Gathered:
     for t, out in enumerate(outs):
         _only_user(out, t)
     return Gathered(node, axis)
+
+
+def _stack_view(cat: fx.Node, outs: list[fx.Node]) -> bool:
+    try:
+        _cat_then_view(cat, outs)
+    except NoMatch:
+        return False
+    return True
 
 
 def _cat_then_view(cat: fx.Node, outs: list[fx.Node]) -> tuple[fx.Node, int]:

@@ -32,6 +32,7 @@ class Operands:
     scale: float = 1.0
     qk_l2norm: bool = False
     to_time_major: set = field(default_factory=set)
+    adapters: dict = field(default_factory=dict)  # name -> [(aten op, extra args)] applied first
 
 
 def scan_operands(sources: dict, state: fx.Node, head_major: bool,

@@ -35,6 +35,11 @@ class ScanRegion:
     final: Optional[fx.Node]  # the final state (None when the region does not produce it)
     meta_source: fx.Node  # a node whose stack trace / module path the new nodes inherit
     erase: list = field(default_factory=list)  # side-effect nodes (in-place writes) to drop
+    # (aten op, extra args) steps from the op's [B, T, H, Dv] output / [B, H, Dk, Dv] state to
+    # the region's value / final state (layouts.py); None: the output's time axis is moved to
+    # ``axis`` by one permute, and the state is the op's.
+    out_steps: Optional[list] = None
+    final_steps: list = field(default_factory=list)
 
 
 def check_dtypes(region: ScanRegion, ops: Operands) -> None:
@@ -63,13 +68,16 @@ def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
         replace.update({u: "out" for u in region.value.users if _swaps_axes_1_2(u)})
 
     def emit(graph: fx.Graph, env) -> dict:
-        args = [_time_major(graph, env(ops.nodes[name]), name in ops.to_time_major, mode)
-                for name in ("q", "k", "v", "g", "beta")]
-        fused = add_node(graph, SCAN, (*args, env(ops.nodes["state"])),
+        args = [_time_major(graph, _apply(graph, env(ops.nodes[name]), ops.adapters.get(name),
+                                          mode), name in ops.to_time_major, mode)
+                for name in ("q", "k", "v", "g", "beta", "state")]
+        fused = add_node(graph, SCAN, tuple(args),
                          dict(scale=ops.scale, qk_l2norm=ops.qk_l2norm), mode)
         out = add_node(graph, operator.getitem, (fused, 0), mode=mode)
-        final = add_node(graph, operator.getitem, (fused, 1), mode=mode)
-        value = _time_to(graph, out, region.axis, mode)
+        final = _apply(graph, add_node(graph, operator.getitem, (fused, 1), mode=mode),
+                       region.final_steps, mode)
+        value = _time_to(graph, out, region.axis, mode) if region.out_steps is None else \
+            _apply(graph, out, region.out_steps, mode)
         _copy_meta(region.meta_source, (fused, out, final, value))
         return {"out": out, "final": final, "value": value}
 
@@ -91,18 +99,31 @@ def _check_contract(region: ScanRegion, ops: Operands, mode) -> None:
             raise NoMatch(f"operand '{name}' ({ops.nodes[name]}) is not a tensor")
         fakes[name] = value
     with mode:
-        for name in ops.to_time_major:
-            fakes[name] = fakes[name].transpose(1, 2)
         try:
+            for name, steps in ops.adapters.items():
+                for op, extra in steps:
+                    fakes[name] = op(fakes[name], *extra)
+            for name in ops.to_time_major:
+                fakes[name] = fakes[name].transpose(1, 2)
             out, _ = SCAN(fakes["q"], fakes["k"], fakes["v"], fakes["g"], fakes["beta"],
                           fakes["state"], scale=ops.scale, qk_l2norm=ops.qk_l2norm)
+            for op, extra in region.out_steps or ():
+                out = op(out, *extra)
         except (GdnFxError, RuntimeError) as err:
             raise NoMatch(f"the op cannot take these operands: {err}", node=region.meta_source)
     dims = list(out.shape)
-    dims.insert(region.axis, dims.pop(1))
+    if region.out_steps is None:
+        dims.insert(region.axis, dims.pop(1))
     if tuple(dims) != shape(region.value):
         raise NoMatch(f"the op's output, time on axis {region.axis}, would be {dims}; the "
                       f"region's is {list(shape(region.value))}", node=region.value)
+
+
+def _apply(graph: fx.Graph, node: fx.Node, steps: Optional[list], mode) -> fx.Node:
+    """``node`` through layout steps: each (aten op, extra args) adds one node."""
+    for op, extra in steps or ():
+        node = add_node(graph, op, (node, *extra), mode=mode)
+    return node
 
 
 def _time_to(graph: fx.Graph, out: fx.Node, axis: int, mode) -> fx.Node:

@@ -64,11 +64,11 @@ def test_the_unperturbed_loop_collapses():
 
 
 PERTURBATIONS = {
-    "sumdim": "dim",          # a different sum dim
+    "sumdim": "is not the delta rule",  # a different sum dim
     "gate": "reads g",        # a gate from another tensor
-    "beta": "expected",       # a dropped beta
-    "skip": "feeds 2 steps",  # a state edge that skips a step
-    "order": "time index",    # indices out of order
+    "beta": "does not read beta",  # a dropped beta
+    "skip": "skips the step",  # a state edge that skips a step
+    "order": "in order",      # indices out of order
     "leak": "also read",      # an intermediate value with an outside user
     "state_leak": "also read",  # an intermediate state with an outside user
 }
@@ -89,9 +89,9 @@ def test_perturbed_loops_are_left_unchanged_with_a_reason(perturb):
 
 def test_a_miss_names_the_step_and_node():
     program = export_form(Loop("sumdim"), loop_inputs(), "training")
-    (miss,) = [m for m in gdn_fx.collapse(program).misses if "dim" in m.reason]
-    assert (miss.step, miss.of) == (AT, None) or miss.step == AT
-    assert "sum" in miss.node and f"step {AT}" in str(miss)
+    (miss,) = [m for m in gdn_fx.collapse(program).misses if "delta rule" in m.reason]
+    assert (miss.step, miss.of) == (AT, T)
+    assert "sum" in miss.node and f"step {AT} of {T}" in str(miss)
 
 
 def test_an_ordinary_graph_has_no_misses():

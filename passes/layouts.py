@@ -1,0 +1,167 @@
+"""How a loop's tensors map onto the fused op's operands: one record per layout.
+
+The op takes time-major q, k [B, T, H, Dk], v [B, T, H, Dv], a log gate [B, T, H] or
+[B, T, H, Dk], beta [B, T, H] and a key-first state [B, H, Dk, Dv]. A loop may read its tensors
+along any time axis, keep batch and heads merged ([B*H, T, D], a bmm loop), carry a value-first
+state [.., Dv, Dk], walk a decay exp(g) computed before the loop, or keep size-1 axes
+([B, H, T, 1] betas). A :class:`Layout` records which of these a loop uses (step_meaning.py
+proves it by evaluation); :func:`operands` turns it into the op's operands, each reached from
+the loop's tensor by a permute and, where the axes do not line up, a reshape, emitted outside
+the fused node. The state's leading axes are the batch: the last is the op's H, the others
+its B.
+
+To add a layout: a new field here, the shapes it allows in ``group_features`` /
+step_meaning's ``_layouts``, and what its operands need in ``_adapt``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import fx
+
+from gdn_fx.passes.operands import Operands, scan_operands, _peel_aliases, _peel_casts
+from gdn_fx.passes.program import shape
+from gdn_fx.passes.result import NoMatch
+
+ATEN = torch.ops.aten
+ROLES = ("q", "k", "v", "g", "beta")
+# The tensors a loop may walk: the op's five, or beta already folded into a copy of k before
+# the loop (kb = k * beta[..., None], as DeltaNet papers write it), beta then read off kb.
+ROLE_SETS = (ROLES, ("q", "k", "kb", "v", "g"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A loop's layout: which read tensor plays which role, and how the state is held."""
+
+    roles: dict  # role -> index into the loop's groups
+    key_first: bool  # state [.., Dk, Dv] (else [.., Dv, Dk])
+    log_gate: bool  # the gate is log-decay g (else the decay exp(g) itself)
+    features: tuple  # per group: feature dims after the batch axes, size-1 axes dropped
+    state_shape: tuple
+    out_shape: tuple  # o_t's shape
+    scale: float = 1.0  # o = scale * q^T S
+
+    def with_scale(self, scale: float) -> "Layout":
+        return replace(self, scale=scale)
+
+    def describe(self) -> str:
+        state = "key-first" if self.key_first else "value-first"
+        gate = "log gate" if self.log_gate else "decay"
+        return f"{state} state, {gate}, scale {self.scale:.6g}"
+
+
+def group_features(read_shape: list, state_shape) -> Optional[list]:
+    """Feature dims of a tensor read at one position, once the state's batch axes are off its
+    front (size-1 axes dropped); None when its leading axes are not the state's batch."""
+    batch = list(state_shape[:-2])
+    if list(read_shape[:len(batch)]) != batch:
+        return None
+    return [d for d in read_shape[len(batch):] if d != 1]
+
+
+def batch_heads(state_shape) -> tuple[int, int]:
+    """(B, H) for the op: the state's last batch axis is H, the others are B."""
+    batch = list(state_shape[:-2])
+    return (math.prod(batch[:-1]), batch[-1]) if batch else (1, 1)
+
+
+@dataclass
+class Plan:
+    """What the fusion needs besides the operands: how its two results reach the region's."""
+
+    operands: Operands
+    out_steps: Optional[list]  # (op, args) from the op's [B, T, H, Dv] output; None: a permute
+    final_steps: list  # (op, args) applied to the op's [B, H, Dk, Dv] final state
+
+
+def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axis: int,
+                  length: int) -> Plan:
+    """The op's operands for a loop of ``layout`` reading ``groups`` (source, axis)."""
+    sources = {r: groups[i] for r, i in layout.roles.items()}
+    if "kb" in sources:
+        sources["beta"] = _unfold_beta(sources.pop("kb"), sources["k"])
+    axes = [a for _, a in sources.values()]
+    head_major = axes.count(2) > axes.count(1)
+    ops = scan_operands({r: s for r, (s, _) in sources.items()}, state, head_major=head_major)
+    ops.scale *= layout.scale
+    b, h = batch_heads(layout.state_shape)
+    for role, (source, time_axis) in sources.items():
+        feature = [] if role == "beta" else layout.features[layout.roles[role]]
+        want = [b, length, h] + list(feature)
+        if not _standard(source, time_axis, head_major, want):
+            ops.nodes[role] = _peel_casts(source)
+            ops.to_time_major.discard(role)
+            ops.adapters[role] = _adapt(shape(source), time_axis, want)
+    if not layout.log_gate:  # the loop walks exp(g): hand the op g (peeled, or log taken)
+        decay = ops.nodes["g"]
+        if decay.target is ATEN.exp.default and shape(decay.args[0]) == shape(decay):
+            ops.nodes["g"] = decay.args[0]
+        else:
+            ops.adapters["g"] = ops.adapters.get("g", []) + [(ATEN.log.default, ())]
+    dk, dv = layout.state_shape[-2:] if layout.key_first else layout.state_shape[:-3:-1]
+    state_steps = [] if len(layout.state_shape) == 4 else [(ATEN.reshape.default, ([b, h] + list(
+        layout.state_shape[-2:]),))]
+    if not layout.key_first:
+        state_steps.append((ATEN.transpose.int, (-1, -2)))
+    ops.nodes["state"] = _peel_aliases(state)
+    if state_steps:
+        ops.adapters["state"] = state_steps
+    final_steps = ([(ATEN.transpose.int, (-1, -2))] if not layout.key_first else []) + (
+        [(ATEN.reshape.default, (list(layout.state_shape),))] if len(layout.state_shape) != 4
+        else [])
+    return Plan(ops, _out_steps(layout, value_shape, axis, length, b, h, dv), final_steps)
+
+
+def _unfold_beta(kb, k) -> tuple:
+    """beta for kb = k * beta[..., None] (either order, through casts), on kb's time axis."""
+    (node, axis), (k_node, _) = kb, k
+    node = _peel_casts(node)
+    if node.target is ATEN.mul.Tensor and len(node.args) == 2:
+        for a, b in (node.args, node.args[::-1]):
+            if isinstance(a, fx.Node) and isinstance(b, fx.Node) and \
+                    _peel_casts(a) is _peel_casts(k_node) and b.target is ATEN.unsqueeze.default \
+                    and b.args[1] % len(shape(b)) == len(shape(b)) - 1:
+                return b.args[0], axis
+    raise NoMatch(f"the loop walks {kb[0].name}, k with beta folded in, and beta cannot be "
+                  "read off it (expected k * beta[..., None] before the loop)", node=kb[0])
+
+
+def _standard(source: fx.Node, time_axis: int, head_major: bool, want: list) -> bool:
+    """The shape scan_operands handles: [B, T, H, ..] or [B, H, T, ..] with the op's axes."""
+    dims = list(shape(source))
+    if time_axis != (2 if head_major else 1):
+        return False
+    if head_major:
+        dims[1], dims[2] = dims[2], dims[1]
+    return dims == want
+
+
+def _adapt(dims, time_axis: int, want: list) -> list:
+    """permute (time first), reshape to [T, B, H, ..], permute to [B, T, H, ..]."""
+    rank = len(dims)
+    first = [time_axis] + [i for i in range(rank) if i != time_axis]
+    steps = [(ATEN.permute.default, (first,))]
+    steps.append((ATEN.reshape.default, ([want[1], want[0], want[2]] + want[3:],)))
+    steps.append((ATEN.permute.default, ([1, 0, 2] + list(range(3, len(want))),)))
+    return steps
+
+
+def _out_steps(layout: Layout, value_shape, axis: int, length: int, b: int, h: int, dv: int
+               ) -> list:
+    """From the op's [B, T, H, Dv] output to the region's gathered value."""
+    standard = [b, h, dv]
+    standard.insert(axis, length)
+    if list(layout.out_shape) == [b, h, dv] and list(value_shape) == standard and \
+            len(layout.state_shape) == 4:
+        return None  # scan_fusion moves the time axis with one permute
+    rank = len(layout.out_shape) + 1
+    to_axis = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+    return [(ATEN.permute.default, ([1, 0, 2, 3],)),
+            (ATEN.reshape.default, ([length] + list(layout.out_shape),)),
+            (ATEN.permute.default, (to_axis,)),
+            (ATEN.reshape.default, (list(value_shape),))]

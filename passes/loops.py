@@ -1,0 +1,401 @@
+"""Find unrolled loops over time by structure, whatever ops their steps use.
+
+A Python loop ``for t in range(T)`` traced by torch.export leaves two marks that no spelling
+of the body removes:
+
+- *time reads*: each tensor the loop walks is read one position at a time, ``x[:, :, t]``
+  (select), ``x[:, t:t+1]`` (a size-1 slice), ``x.unbind(1)[t]`` or ``x.split(1, 1)[t]``;
+- a *carried state*: step t's result S_{t+1} is computed from S_t and step t's reads only.
+
+This module finds both and cuts the loop into steps: step t's body is everything between its
+inputs (S_t, the time reads at index t, loop invariants) and its outputs (S_{t+1}, the value
+o_t the loop gathers into a buffer or a stack). It says nothing about what a step computes:
+step_meaning.py decides that by evaluating the bodies.
+
+Every node of a loop's window gets a tag, the largest time index it depends on; a step's body
+is found by walking back from its outputs and stopping at nodes tagged with an earlier step
+(there must be exactly one: the incoming state) or untagged (invariants).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import fx
+
+from gdn_fx.passes.program import dtype, shape
+from gdn_fx.passes.result import NoMatch
+
+ATEN = torch.ops.aten
+SPLITS = (ATEN.split.Tensor, ATEN.split_with_sizes.default, ATEN.unbind.int)
+WRITES = (ATEN.copy_.default, ATEN.copy.default)  # buffer writes: copy(buffer slice, value)
+MARGIN = 48  # nodes past the last step's first time read that still belong to the loop
+
+
+@dataclass(frozen=True)
+class TimeRead:
+    """``node`` reads position ``t`` of ``source`` along ``axis`` (keepdim for a slice)."""
+
+    source: fx.Node
+    axis: int
+    t: int
+    keepdim: bool
+
+
+def time_read(node: fx.Node) -> Optional[TimeRead]:
+    """The position a node reads, when it reads one position of a tensor along one axis."""
+    if node.op != "call_function":
+        return None
+    if node.target is ATEN.select.int:
+        return _read(node.args[0], node.args[1], node.args[2], False)
+    if node.target is ATEN.slice.Tensor and len(node.args) >= 4:
+        step = node.args[4] if len(node.args) > 4 else 1
+        src, axis, start, end = node.args[:4]
+        dims = shape(src)
+        if step != 1 or dims is None or not all(isinstance(x, int) for x in (axis, start, end)):
+            return None
+        size = dims[axis]
+        start = start + size if start < 0 else start
+        end = min(end + size if end < 0 else end, size)
+        return _read(src, axis, start, True) if end - start == 1 else None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        parent = node.args[0]
+        if parent.op == "call_function" and parent.target in SPLITS and _unit_split(parent):
+            axis = parent.args[1] if len(parent.args) > 1 else parent.kwargs.get("dim", 0)
+            if parent.target is not ATEN.unbind.int:
+                axis = parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0)
+            return _read(parent.args[0], axis, node.args[1], parent.target is not ATEN.unbind.int)
+    return None
+
+
+def _unit_split(node: fx.Node) -> bool:
+    """unbind, or a split into pieces of size 1."""
+    if node.target is ATEN.unbind.int:
+        return True
+    sizes = node.args[1] if len(node.args) > 1 else None
+    if node.target is ATEN.split.Tensor:
+        return sizes == 1
+    return isinstance(sizes, (list, tuple)) and all(s == 1 for s in sizes)
+
+
+def _read(src, axis, t, keepdim) -> Optional[TimeRead]:
+    dims = shape(src)
+    if not isinstance(src, fx.Node) or dims is None or not dims or not isinstance(t, int) \
+            or not isinstance(axis, int) or not all(isinstance(d, int) for d in dims):
+        return None
+    axis %= len(dims)
+    t = t + dims[axis] if t < 0 else t
+    return TimeRead(src, axis, t, keepdim) if 0 <= t < dims[axis] else None
+
+
+def _is_write_target(node: fx.Node) -> bool:
+    """A read that only serves as the destination of buffer writes is not a read."""
+    return bool(node.users) and all(
+        u.target in WRITES and u.args[0] is node or _mutates_arg0(u, node) for u in node.users)
+
+
+def _mutates_arg0(user: fx.Node, node: fx.Node) -> bool:
+    schema = getattr(user.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable and user.args and user.args[0] is node)
+
+
+@dataclass
+class Step:
+    """One step of a found loop: its inputs, outputs and the body between them."""
+
+    t: int
+    state_in: fx.Node
+    state_out: Optional[fx.Node]  # None: the last step's new state is not computed
+    out: fx.Node  # o_t, the value the loop gathers
+    reads: dict  # group (source, axis) -> [time-read nodes at index t]
+    body: list  # computed nodes, in graph order
+    consts: list = field(default_factory=list)  # untagged inputs other than the state
+
+
+@dataclass
+class Loop:
+    """A loop found by structure: T steps along a carried state."""
+
+    length: int
+    groups: list  # (source, axis) read position by position, in order of first read
+    steps: list  # Step, t = 0..T-1
+    outs: list  # o_0..o_{T-1}
+    final_candidates: list = field(default_factory=list)  # possible S_T when not yet known
+
+
+@dataclass
+class Cluster:
+    """Time reads of one length whose positions overlap in the graph: one loop candidate."""
+
+    length: int
+    reads: dict  # read node -> TimeRead
+    start: int  # graph positions [start, end) of the loop's window
+    end: int
+    last_use: int  # where the last position's read is first used
+
+
+def find_clusters(graph: fx.Graph, order: dict) -> list[Cluster]:
+    """Time reads grouped into loop candidates.
+
+    Each tensor's reads are cut into episodes (a read of position 0 after later positions
+    starts a new loop over the same tensor: a second layer). Episodes of one length whose
+    reads interleave are one loop; single steps merge by window (their reads need not)."""
+    by_group = defaultdict(list)
+    for node in graph.nodes:
+        read = time_read(node)
+        if read is not None and not _is_write_target(node):
+            by_group[(read.source, read.axis)].append((node, read))
+    spans = []
+    for reads in by_group.values():
+        for episode in _episodes(reads):
+            length = shape(episode[0][1].source)[episode[0][1].axis]
+            spans.append((length, dict(episode), *_window(dict(episode), order, length)))
+    spans.sort(key=lambda s: (s[0], s[2]))
+    clusters: list[Cluster] = []
+    for length, reads, start, last_use, end in spans:
+        prev = clusters[-1] if clusters else None
+        bound = (prev.end if length == 1 else prev.last_use) if prev is not None else None
+        if prev is not None and prev.length == length and start < bound:
+            prev.reads.update(reads)
+            prev.end, prev.last_use = max(prev.end, end), max(prev.last_use, last_use)
+        else:
+            clusters.append(Cluster(length, reads, start, end, last_use))
+    return clusters
+
+
+def _episodes(reads: list) -> list[list]:
+    episodes, top = [], None
+    for node, read in reads:
+        if top is None or (read.t == 0 and top > 0):
+            episodes.append([])
+            top = 0
+        episodes[-1].append((node, read))
+        top = max(top, read.t)
+    return episodes
+
+
+def _window(reads: dict, order: dict, length: int) -> tuple[int, int, int]:
+    """Graph positions of the loop: its first read, the first use of its last position's
+    read, and some way past that (the last step's body)."""
+    first_use = defaultdict(lambda: 10**12)
+    for node, read in reads.items():
+        first_use[read.t] = min(first_use[read.t], _first_use(node, order))
+    start = min(order[n] for n in reads)
+    last = max(first_use.values())
+    span = (last - first_use[min(first_use)]) / max(length - 1, 1)
+    return start, last, int(last + 3 * span) + MARGIN
+
+
+# Ops that only reshape, move or cast: a read passed through them is not used yet (a loop
+# may squeeze all its slices before it starts).
+RESHAPES = {ATEN.squeeze.dims, ATEN.squeeze.dim, ATEN.squeeze.default, ATEN.unsqueeze.default,
+            ATEN.view.default, ATEN.reshape.default, ATEN.expand.default, ATEN.permute.default,
+            ATEN.transpose.int, ATEN.clone.default, ATEN.contiguous.default,
+            ATEN._to_copy.default, ATEN.to.dtype, ATEN.alias.default}
+
+
+def _first_use(node: fx.Node, order: dict) -> int:
+    """Graph position of the first op that computes with ``node`` (through reshapes)."""
+    best, todo = 10**12, [node]
+    while todo:
+        current = todo.pop()
+        if not current.users:
+            best = min(best, order[current] + 1)
+        for user in current.users:
+            if user.target in RESHAPES:
+                todo.append(user)
+            else:
+                best = min(best, order[user])
+    return best
+
+
+def tag_window(nodes: list, cluster: Cluster) -> dict:
+    """node -> the largest time index it depends on, for the nodes of the cluster's window."""
+    tags = {}
+    for node in nodes[cluster.start:cluster.end]:
+        read = cluster.reads.get(node)
+        if read is not None:
+            tags[node] = read.t
+            continue
+        found = [tags[a] for a in node.all_input_nodes if a in tags]
+        if found:
+            tags[node] = max(found)
+    return tags
+
+
+GATHERS = (ATEN.stack.default, ATEN.cat.default)
+
+
+def _feeds_gather(node: fx.Node, single: bool) -> bool:
+    """Whether the loop may gather ``node``: stacked, concatenated, written to a buffer (a
+    single step's value may just be unsqueezed: a stack of one)."""
+    for user in node.users:
+        if single and user.target is ATEN.unsqueeze.default:
+            return True
+        if user.target in GATHERS:
+            return True
+        if user.target in WRITES and user.args[1] is node and time_read(user.args[0]):
+            return True
+        if user.target is ATEN.unsqueeze.default and len(user.users) == 1 \
+                and next(iter(user.users)).target is ATEN.cat.default:
+            return True
+    return False
+
+
+def step_candidates(cluster: Cluster, tags: dict, order: dict) -> list[list[fx.Node]]:
+    """Candidate o_0..o_{T-1} lists, one per loop: for each t, a node tagged t that the loop
+    gathers. Loops reading the same tensors share a cluster (two layers over one input); step
+    t's value joins the chain whose step t-1 computed the state it reads. A single step may
+    sit beside other size-1 reads: each gathered value there is a candidate."""
+    found = defaultdict(list)
+    for node, t in tags.items():
+        if node not in cluster.reads and node.target not in WRITES and \
+                _feeds_gather(node, cluster.length == 1):
+            found[t].append(node)
+    for t, nodes in found.items():  # o.unsqueeze(d) gathered: o is the step's value
+        found[t] = [n for n in nodes if not (n.target is ATEN.unsqueeze.default
+                                             and n.args[0] in nodes)]
+    if not found:
+        raise NoMatch("no step value is gathered into a buffer or a stack")
+    chains = [[o] for o in found[0]]
+    if not chains:
+        raise NoMatch("step 0 gathers nothing", step=0)
+    for t in range(1, cluster.length):
+        taken = {}
+        for c in found[t]:
+            chain = _linked(chains, c, t, tags, cluster)
+            if chain is not None:
+                taken.setdefault(chain, []).append(c)
+        if not taken and len(chains) == 1 and len(found[t]) == 1:
+            taken[0] = found[t]  # unambiguous; whether it reads the right state is step_meaning's
+        for i, chain in enumerate(chains):
+            got = taken.get(i, [])
+            if len(got) > 1 and t == cluster.length - 1:  # what follows may gather too
+                got = [min(_like(got, chain[-1]), key=order.__getitem__)]
+            if len(got) != 1:
+                late = any(len(found[u]) > len(chains) for u in range(t + 1, cluster.length))
+                why = (": its reads come after a later position's, the loop does not walk "
+                       "time in order") if not got and late else ""
+                what = ", ".join(n.name for n in got[:3]) or "nothing"
+                raise NoMatch(f"step {t} gathers {what} from the state of step {t - 1}{why}; "
+                              "a recurrence step gathers one value",
+                              node=got[0] if got else chain[-1], step=t)
+            chain.append(got[0])
+    return chains
+
+
+def _like(candidates: list, previous: fx.Node) -> list:
+    """The candidates computed like the step before's value (op and shape), else all."""
+    same = [c for c in candidates if c.target == previous.target and shape(c) == shape(previous)]
+    return same or candidates
+
+
+def _linked(chains: list, node: fx.Node, t: int, tags: dict, cluster: Cluster):
+    """The chain whose step t-1 computed the state ``node`` (gathered at step t) reads."""
+    try:
+        earlier = walk_body([node], t, tags, cluster)[2]
+    except NoMatch:
+        return None
+    hits = []
+    for i, chain in enumerate(chains):
+        try:
+            body = walk_body([chain[-1]], t - 1, tags, cluster)[0]
+        except NoMatch:
+            continue
+        if any(e in body for e in earlier):
+            hits.append(i)
+    return hits[0] if len(hits) == 1 else None
+
+
+def walk_body(roots: list, t: int, tags: dict, cluster: Cluster):
+    """Step t's body: computed nodes from ``roots`` back to its inputs.
+
+    Returns (body nodes, reads by group, earlier-step inputs, untagged inputs).
+    """
+    body, reads, earlier, consts = set(), defaultdict(list), [], []
+    todo, seen = list(roots), set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        read = cluster.reads.get(node)
+        if read is not None:
+            if read.t != t:
+                raise NoMatch(f"step {t} reads position {read.t} of {read.source.name}",
+                              node=node, step=t)
+            reads[(read.source, read.axis)].append(node)
+            continue
+        tag = tags.get(node)
+        if tag is None:
+            consts.append(node)
+        elif tag < t:
+            earlier.append(node)
+        else:
+            body.add(node)
+            todo.extend(node.all_input_nodes)
+    return body, dict(reads), earlier, consts
+
+
+def state_like(node: fx.Node, like: Optional[fx.Node] = None) -> bool:
+    """A floating tensor of rank >= 2 (of ``like``'s shape and dtype when given)."""
+    dims, kind = shape(node), dtype(node)
+    if dims is None or kind is None or not kind.is_floating_point or len(dims) < 2:
+        return False
+    return like is None or (dims == shape(like) and kind == dtype(like))
+
+
+def descendants_in(start: fx.Node, tags: dict, t: int) -> list[fx.Node]:
+    """Nodes tagged ``t`` reachable forward from ``start`` (graph order not guaranteed)."""
+    found, todo, seen = [], [start], {start}
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user not in seen and tags.get(user) == t:
+                seen.add(user)
+                found.append(user)
+                todo.append(user)
+    return found
+
+
+def cut_steps(cluster: Cluster, tags: dict, outs: list, order: dict) -> Loop:
+    """The loop's steps, walked from the last one back: each step's incoming state is the one
+    input it takes from an earlier step (step 0's: a state-like invariant)."""
+    length = cluster.length
+    steps: list[Optional[Step]] = [None] * length
+    state_out = None  # S_{t+1}, known once step t+1 has been walked
+    for t in reversed(range(length)):
+        roots = [outs[t]] + ([state_out] if state_out is not None else [])
+        body, reads, earlier, consts = walk_body(roots, t, tags, cluster)
+        state_in = _incoming_state(t, earlier, consts, state_out or outs[t], body)
+        if state_in is state_out:
+            raise NoMatch(f"step {t} hands on the state it received ({state_in.name}): the "
+                          "state edge skips the step's own update", node=state_in, step=t)
+        consts = [c for c in consts if c is not state_in]
+        reads = {g: sorted(nodes, key=order.__getitem__) for g, nodes in reads.items()}
+        steps[t] = Step(t, state_in, state_out, outs[t], reads,
+                        sorted(body, key=order.__getitem__), consts)
+        state_out = state_in
+    groups = sorted({g for s in steps for g in s.reads}, key=lambda g: order[g[0]])
+    return Loop(length, groups, steps, outs)
+
+
+def _incoming_state(t: int, earlier: list, consts: list, like: fx.Node, body: set) -> fx.Node:
+    if t > 0:
+        if len(earlier) != 1:
+            what = ", ".join(n.name for n in earlier[:3]) or "nothing"
+            raise NoMatch(f"step {t} takes {what} from earlier steps; a recurrence step takes "
+                          "one state", node=earlier[0] if earlier else None, step=t)
+        return earlier[0]
+    if earlier:
+        raise NoMatch(f"step 0 reads {earlier[0].name}, computed by a later step", step=0)
+    shaped = [c for c in consts if state_like(c)]
+    if len(shaped) != 1:
+        what = ", ".join(n.name for n in shaped[:3]) or "none"
+        raise NoMatch(f"step 0 reads {len(shaped)} matrix-shaped values from before the loop "
+                      f"({what}); a recurrence step reads one initial state", step=0)
+    return shaped[0]

@@ -1,0 +1,225 @@
+"""Decide what one step of a found loop computes, by running it in float64.
+
+A step's body (loops.py) is cut out as a small graph and run at random points, in float64
+whatever dtypes it was traced in, next to the gated delta rule
+
+    S' = S * decay;  S' += k (outer) ((v - k^T S') * beta);  o = c * q^T S'
+
+under every layout its shapes allow (layouts.py: which tensor is q, k, v, the gate and beta;
+key-first or value-first state; log gate or decay). The step is the delta rule when, for one
+layout, S' and o agree to 1e-9 relative at two random points with the same c: the body is then
+the rule up to rounding, whatever ops it used (einsum, bmm, in-place updates, views). Where no
+layout fits, the nearest one says how far off the body is, and common slips are named.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import fx
+
+from gdn_fx.passes.layouts import ROLE_SETS, Layout, group_features
+from gdn_fx.passes.program import shape, val
+from gdn_fx.passes.result import NoMatch
+
+TOLERANCE = 1e-9
+POINTS = 2
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+SEED = 1201
+
+
+@dataclass
+class Outcome:
+    """The matching layout, or the nearest miss and its errors."""
+
+    layout: Optional[Layout]
+    state_error: float = float("inf")
+    out_error: float = float("inf")
+    hint: str = ""
+
+
+def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.GraphModule:
+    """The step as a module: (state, one value per group in ``groups``) -> (S', o)."""
+    graph = fx.Graph()
+    env = {step.state_in: graph.placeholder("state")}
+    group_inputs = {g: graph.placeholder(f"read_{i}") for i, g in enumerate(groups)}
+    for g, nodes in step.reads.items():
+        if g not in group_inputs:
+            raise NoMatch(f"step {step.t} reads {g[0].name}, which the other steps do not",
+                          node=nodes[0], step=step.t)
+        for node in nodes:
+            read_value = group_inputs[g]
+            env[node] = graph.call_function(torch.unsqueeze, (read_value, g[1])) \
+                if node.target is torch.ops.aten.slice.Tensor or _keepdim_split(node) \
+                else read_value
+    for node in step.consts:
+        if not _evaluable(node):
+            raise NoMatch(f"step {step.t} reads {node.name}, a tensor from outside the loop "
+                          "that is neither the state nor read position by position",
+                          node=node, step=step.t)
+        _copy_constant(graph, node, env)
+    for node in step.body:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    results = (env[final] if final is not None else None, env[step.out])
+    graph.output(results)
+    return fx.GraphModule(step.state_in.graph.owning_module or torch.nn.Module(), graph)
+
+
+def _keepdim_split(node: fx.Node) -> bool:
+    return node.target is not torch.ops.aten.select.int and \
+        getattr(node.args[0], "target", None) is not torch.ops.aten.unbind.int
+
+
+def _evaluable(node: fx.Node, depth: int = 0) -> bool:
+    """A value computed from nothing but literals and module attributes (zeros, full, ...)."""
+    if node.op == "get_attr":
+        return True
+    if node.op != "call_function" or depth > 8:
+        return False
+    return all(_evaluable(a, depth + 1) for a in node.all_input_nodes)
+
+
+def _copy_constant(graph: fx.Graph, node: fx.Node, env: dict) -> None:
+    for inner in node.all_input_nodes:
+        if inner not in env:
+            _copy_constant(graph, inner, env)
+    env[node] = graph.node_copy(node, lambda n: env[n])
+
+
+class _Float64(fx.Interpreter):
+    """Runs a graph with every floating dtype it names replaced by float64."""
+
+    def call_function(self, target, args, kwargs):
+        args = tuple(torch.float64 if a in FLOATS else a for a in args)
+        kwargs = {k: torch.float64 if v in FLOATS else v for k, v in kwargs.items()}
+        return super().call_function(target, args, kwargs)
+
+
+def _draw(like: torch.Tensor, role_hint: str, gen: torch.Generator) -> torch.Tensor:
+    x = torch.rand(like.shape, generator=gen, dtype=torch.float64)
+    return x * 2 - 1 if role_hint != "positive" else x * 0.9 + 0.1
+
+
+def decide(step, final: Optional[fx.Node], groups: list) -> Outcome:
+    """The layout under which ``step`` (with ``final`` as its new state) is the delta rule."""
+    module = body_graph(step, final, groups)
+    state = val(step.state_in)
+    reads = [_read_shape(g) for g in groups]
+    candidates = list(_layouts(shape(step.state_in), groups, shape(step.out)))
+    if not candidates:
+        raise NoMatch(f"step {step.t} reads {len(groups)} tensors position by position ("
+                      f"{_describe(groups)}) beside a state {list(state.shape)}; no layout of "
+                      "q, k, v, gate, beta fits those shapes", node=step.out, step=step.t)
+    gen = torch.Generator().manual_seed(SEED)
+    points = []
+    for _ in range(POINTS):
+        s0 = _draw(state, "", gen)
+        ins = [_draw(torch.empty(dims), "", gen) for dims in reads]
+        got = _Float64(module).run(s0.clone(), *[x.clone() for x in ins])
+        points.append((s0, ins, got))
+    best = Outcome(None)
+    for layout in candidates:
+        outcome = _score(layout, points, final is not None)
+        if outcome.layout is not None:
+            return outcome
+        if (outcome.state_error, outcome.out_error) < (best.state_error, best.out_error):
+            best = outcome
+    best.hint = _hint(best, points, final is not None)
+    return best
+
+
+def _read_shape(group) -> list:
+    source, axis = group
+    dims = list(shape(source))
+    del dims[axis]
+    return dims
+
+
+def _describe(groups) -> str:
+    return ", ".join(f"{s.name} {list(shape(s))} along {a}" for s, a in groups[:6])
+
+
+def _layouts(state_shape, groups, out_shape):
+    """Every layout the shapes allow: role assignment, state orientation, gate kind."""
+    feats = [group_features(_read_shape(g), state_shape) for g in groups]
+    if any(f is None for f in feats) or len(groups) != 5:
+        return
+    d1, d2 = state_shape[-2:]
+    for roles_names in ROLE_SETS:
+        for key_first in (True, False):
+            dk, dv = (d1, d2) if key_first else (d2, d1)
+            for roles in itertools.permutations(range(len(groups))):
+                assign = dict(zip(roles_names, roles))
+                if not _widths_fit(assign, feats, dk, dv):
+                    continue
+                for log_gate in (True, False):
+                    yield Layout(assign, key_first, log_gate, tuple(feats), tuple(state_shape),
+                                 tuple(out_shape))
+
+
+def _widths_fit(assign, feats, dk, dv) -> bool:
+    want = {"q": [dk], "k": [dk], "v": [dv], "beta": [], "kb": [dk]}
+    if any(feats[assign[r]] != w for r, w in want.items() if r in assign):
+        return False
+    return feats[assign["g"]] in ([], [dk])
+
+
+def _reference(layout: Layout, s0, ins):
+    """The delta rule's (S', o) for these inputs under ``layout``, in the body's layout."""
+    batch = s0.shape[:-2]
+    x = {r: ins[i].reshape(*batch, -1) if layout.features[i] else ins[i].reshape(batch)
+         for r, i in layout.roles.items()}
+    s = s0 if layout.key_first else s0.transpose(-1, -2)
+    decay = x["g"].exp() if layout.log_gate else x["g"]
+    decay = decay[..., None] if decay.dim() > len(batch) else decay[..., None, None]
+    s = s * decay
+    delta = x["v"] - (s * x["k"][..., :, None]).sum(-2)
+    if "beta" in x:
+        s = s + x["k"][..., :, None] * (delta * x["beta"][..., None])[..., None, :]
+    else:  # beta folded into k before the loop: kb = beta * k
+        s = s + x["kb"][..., :, None] * delta[..., None, :]
+    o = (s * x["q"][..., :, None]).sum(-2)
+    s_back = s if layout.key_first else s.transpose(-1, -2)
+    return s_back, o, s0 if layout.key_first else s0.transpose(-1, -2), x
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = max(b.abs().max().item(), 1e-30)
+    return (a - b).abs().max().item() / scale
+
+
+def _score(layout: Layout, points, with_state: bool) -> Outcome:
+    worst_s, worst_o, scales = 0.0, 0.0, []
+    for s0, ins, (s_got, o_got) in points:
+        s_ref, o_ref, _, _ = _reference(layout, s0, ins)
+        if with_state:
+            worst_s = max(worst_s, _rel(s_got, s_ref))
+        o_got = o_got.reshape(o_ref.shape) if o_got.numel() == o_ref.numel() else None
+        if o_got is None:
+            return Outcome(None, worst_s, float("inf"))
+        c = (o_got * o_ref).sum().item() / max((o_ref * o_ref).sum().item(), 1e-300)
+        scales.append(c)
+        worst_o = max(worst_o, _rel(o_got, c * o_ref))
+    if abs(scales[0] - scales[-1]) > TOLERANCE * max(abs(scales[0]), 1e-30) or scales[0] == 0:
+        worst_o = max(worst_o, 1.0)
+    if worst_s <= TOLERANCE and worst_o <= TOLERANCE:
+        return Outcome(layout.with_scale(scales[0]), worst_s, worst_o)
+    return Outcome(None, worst_s, worst_o)
+
+
+def _hint(best: Outcome, points, with_state: bool) -> str:
+    """Name the slip when the output is the readout of another state than the updated one."""
+    if best.layout is None or best.state_error > TOLERANCE:
+        return ""
+    layout = best.layout
+    s0, ins, (_, o_got) = points[0]
+    _, _, s_before, x = _reference(layout, s0, ins)
+    readout = (s_before * x["q"][..., :, None]).sum(-2)
+    o_got = o_got.reshape(readout.shape)
+    c = (o_got * readout).sum().item() / max((readout * readout).sum().item(), 1e-300)
+    if _rel(o_got, c * readout) <= 1e-6:
+        return "the readout reads the state before the update, expected after"
+    return ""
