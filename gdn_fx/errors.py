@@ -63,3 +63,9 @@ class MissingFile(GdnFxError, FileNotFoundError):
 
 class PatchError(GdnFxError, RuntimeError):
     """A swap of transformers' functions that cannot be applied or undone as asked."""
+
+
+class GeneralizeRefused(ExportRefused):
+    """Programs traced at fixed lengths that no single program symbolic in S and P can stand
+    for (``gdn_fx.generalize``): the message names the node (a branch on the length, a
+    literal that is not affine in S and P)."""

@@ -1,0 +1,272 @@
+"""gdn_fx.generalize: programs exported at fixed (S, P), made one program symbolic in S and P.
+
+The expected values are the eager models' own outputs (the hybrid model below, transformers'
+model), the reify route's artifact run in tract, or integers written by hand; nothing is
+computed by the code under test.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gdn_fx
+from gdn_fx import tract_check
+from gdn_fx.errors import GeneralizeRefused, UsageError
+from gdn_fx.generalize import fit_affine
+
+# (S, P) never traced: decode (S = 1), a first prefill (P = 0), longer than any trace.
+UNTRACED = [(1, 0), (1, 5), (2, 3), (4, 0), (7, 11), (16, 2)]
+
+
+def naive_gdn(q, k, v, beta, g, initial_state):
+    """The gated delta rule as FLA's fla/ops/gated_delta_rule/naive.py writes it (with an
+    initial state, the final state out)."""
+    q, k, v, beta, g = map(lambda x: x.transpose(1, 2).contiguous().to(torch.float32),
+                           [q, k, v, beta, g])
+    B, H, T, K, V = *k.shape, v.shape[-1]
+    o = torch.zeros(B, H, T, V).to(v)
+    h = initial_state.to(torch.float32)
+    q = q * (1 / (q.shape[-1] ** 0.5))
+    for i in range(T):
+        b_q = q[:, :, i]
+        b_k = k[:, :, i]
+        b_v = v[:, :, i].clone()
+        h = h.clone() * g[:, :, i].exp()[..., None, None]
+        b_beta = beta[:, :, i]
+        b_v = b_v - (h.clone() * b_k[..., None]).sum(-2)
+        b_v = b_v * b_beta[..., None]
+        h = h.clone() + b_k.unsqueeze(-1) * b_v.unsqueeze(-2)
+        o[:, :, i] = torch.einsum("bhd,bhdm->bhm", b_q, h)
+    return o.transpose(1, 2).contiguous(), h
+
+
+class Hybrid(nn.Module):
+    """A small hybrid LM of our own: a causal conv with its state, a GDN layer (FLA's naive
+    loop), sinusoidal positions P..P+S-1, causal attention over a KV cache, an LM head.
+
+    forward(ids [B, S], conv_state [B, C, K], rec_state [B, H, Dk, Dk], k_cache [B, Ha, P, D],
+    v_cache) -> (logits, new conv_state, new rec_state, new k_cache, new v_cache).
+    ``variant`` changes one thing, for the refusals."""
+
+    def __init__(self, variant: str = "", vocab=40, d=24, heads=2, dk=8, kernel=4, att=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.variant, self.heads, self.dk, self.att, self.kernel = variant, heads, dk, att, kernel
+        inner = heads * dk
+        self.embed = nn.Embedding(vocab, d)
+        self.in_qkv = nn.Linear(d, 3 * inner, bias=False)
+        self.conv_w = nn.Parameter(torch.randn(3 * inner, kernel) * 0.5)
+        self.in_ab = nn.Linear(d, 2 * heads)
+        self.gdn_out = nn.Linear(inner, d, bias=False)
+        self.att_qkv = nn.Linear(d, 3 * att * dk, bias=False)
+        self.att_out = nn.Linear(att * dk, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("freq", 1.0 / (1.0 + torch.arange(d, dtype=torch.float32)))
+
+    def forward(self, ids, conv_state, rec_state, k_cache, v_cache):
+        B, S = ids.shape
+        P = k_cache.shape[2]
+        x = self.embed(ids)
+        mixed = self.in_qkv(x).transpose(1, 2)
+        full = torch.cat([conv_state, mixed], dim=-1)
+        new_conv = full[:, :, -self.kernel:]
+        conv = F.conv1d(full, self.conv_w[:, None, :], groups=full.shape[1])
+        mixed = F.silu(conv[:, :, -S:])
+        q, k, v = mixed.transpose(1, 2).reshape(B, S, 3, self.heads, self.dk).unbind(2)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        a, b = self.in_ab(x).chunk(2, dim=-1)
+        o, new_rec = naive_gdn(q, k, v, b.sigmoid(), -F.softplus(a), rec_state)
+        x = x + self.gdn_out(o.reshape(B, S, -1))
+        if self.variant == "branch" and S >= 5:  # a path taken for long inputs only
+            x = x * 2
+        if self.variant == "decode" and S == 1:  # a decode-only path, as transformers has
+            x = x + 1
+        if self.variant == "square":  # a size that is not affine in S
+            x = x + torch.arange(S * S).float().mean()
+        if self.variant == "float":  # a float literal that follows S
+            x = x * (1.0 / S)
+        if self.variant == "constant":  # a tensor made at trace time from S
+            x = x + torch.tensor([float(i) for i in range(S)])[None, :, None]
+        pos = torch.arange(P, P + S).float()
+        x = x + torch.sin(pos[None, :, None] * self.freq)
+        aq, ak, av = self.att_qkv(x).view(B, S, 3, self.att, self.dk).permute(2, 0, 3, 1, 4)
+        ak = torch.cat([k_cache, ak], dim=2)
+        av = torch.cat([v_cache, av], dim=2)
+        mask = torch.arange(P + S)[None, :] <= torch.arange(S)[:, None] + P
+        scores = (aq @ ak.transpose(-1, -2)) / math.sqrt(self.dk)
+        y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ av
+        x = x + self.att_out(y.transpose(1, 2).reshape(B, S, -1))
+        return self.head(x), new_conv, new_rec, ak, av
+
+    def example(self, S, P, batch=1, seed=1):
+        gen = torch.Generator().manual_seed(seed + 7 * S + 13 * P)
+        inner = self.heads * self.dk
+        return (torch.randint(0, 40, (batch, S), generator=gen),
+                torch.randn(batch, 3 * inner, self.kernel, generator=gen),
+                torch.randn(batch, self.heads, self.dk, self.dk, generator=gen) * 0.5,
+                torch.randn(batch, self.att, P, self.dk, generator=gen),
+                torch.randn(batch, self.att, P, self.dk, generator=gen))
+
+
+def tracer(model):
+    """The user's own export call: plain torch.export at fixed S and P."""
+    return lambda S, P: torch.export.export(model, model.example(S, P))
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    model = Hybrid().eval()
+    return model, gdn_fx.generalize(tracer(model))
+
+
+@pytest.fixture(scope="module")
+def hybrid_nnef(hybrid, tmp_path_factory):
+    _, gen = hybrid
+    return gen.export_nnef(tmp_path_factory.mktemp("gen") / "hybrid.nnef.tgz")
+
+
+# --- the fit --------------------------------------------------------------------------------
+
+POINTS = [(3, 4), (5, 4), (3, 7), (6, 9)]
+
+
+@pytest.mark.parametrize("affine", [(1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 1, -1), (-1, 0, 0),
+                                    (2, 0, 5), (0, -3, 64)])
+def test_fit_affine_finds_integer_forms(affine):
+    a, b, c = affine
+    assert fit_affine(POINTS, [a * s + b * p + c for s, p in POINTS]) == affine
+
+
+@pytest.mark.parametrize("form", [lambda s, p: s * p, lambda s, p: s * s, lambda s, p: s // 2,
+                                  lambda s, p: max(s, p)])
+def test_fit_affine_refuses_other_forms(form):
+    assert fit_affine(POINTS, [form(s, p) for s, p in POINTS]) is None
+
+
+# --- a hybrid model of our own --------------------------------------------------------------
+
+def test_hybrid_generalized_has_the_fused_ops_and_symbolic_inputs(hybrid):
+    _, gen = hybrid
+    assert gen.counts == {"gated_delta_scan": 1, "causal_conv1d_update": 1}
+    assert gen.axes == {"ids": {1: "S"}, "k_cache": {2: "P"}, "v_cache": {2: "P"}}
+    assert gdn_fx.find_unrolled(gen.program) == []
+    user = [n for n in gen.program.graph.nodes if n.op == "placeholder"][-5:]
+    shapes = {n.name: [str(d) for d in n.meta["val"].shape] for n in user}
+    assert not shapes["ids"][1].isdigit() and not shapes["k_cache"][2].isdigit()
+    assert shapes["k_cache"][2] == shapes["v_cache"][2] != shapes["ids"][1]
+    assert shapes["rec_state"] == ["1", "2", "8", "8"]
+
+
+@pytest.mark.parametrize("S, P", UNTRACED)
+def test_hybrid_generalized_runs_like_eager_in_torch(hybrid, S, P):
+    model, gen = hybrid
+    args = model.example(S, P, seed=3)
+    with torch.no_grad():
+        want = model(*args)
+        got = gen.program.module()(*args)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert (g - w).abs().max() <= 1e-4 * w.abs().max()
+
+
+def test_hybrid_nnef_in_tract_equals_eager_at_untraced_lengths(hybrid, hybrid_nnef):
+    model, _ = hybrid
+    runnable = tract_check.load(hybrid_nnef)
+    text = tract_check.nnef_text(hybrid_nnef)
+    assert "tract_symbol S" in text and "tract_symbol P" in text
+    for S, P in UNTRACED:
+        args = model.example(S, P, seed=3)
+        with torch.no_grad():
+            want = model(*args)
+        found = tract_check.compare(runnable, want, args, tolerance=1e-4)
+        assert found.ok, (S, P, str(found))
+
+
+def test_hybrid_nnef_generates_like_eager(hybrid, hybrid_nnef):
+    """A prefill at P = 0, then decode steps feeding each step's caches to the next, in one
+    kept tract State, against the eager model fed the same way."""
+    model, _ = hybrid
+    state = tract_check.load(hybrid_nnef).spawn_state()
+    ids, conv, rec, kc, vc = model.example(5, 0, seed=4)
+    conv, rec = torch.zeros_like(conv), torch.zeros_like(rec)
+    eager, got = (ids, conv, rec, kc, vc), (ids, conv, rec, kc, vc)
+    for _ in range(6):
+        with torch.no_grad():
+            want = model(*eager)
+        out = [torch.from_numpy(x) for x in tract_check.run(state, got)]
+        for o, w in zip(out, want):
+            assert o.shape == w.shape and (o - w).abs().max() <= 1e-4 * w.abs().max()
+        token = want[0][:, -1:].argmax(-1)
+        assert torch.equal(out[0][:, -1:].argmax(-1), token)
+        eager, got = (token, *want[1:]), (token, *out[1:])
+
+
+def test_hybrid_decode_program_in_tract(hybrid, tmp_path):
+    model, gen = hybrid
+    path = gdn_fx.export_nnef(gen.decode_program(), tmp_path / "d.nnef.tgz",
+                              dynamic_axes={"k_cache": {2: "P"}, "v_cache": {2: "P"}},
+                              symbol_min={"P": 0})
+    runnable = tract_check.load(path)
+    for P in (0, 3, 9):
+        args = model.example(1, P, seed=5)
+        with torch.no_grad():
+            want = model(*args)
+        assert tract_check.compare(runnable, want, args).ok
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+def test_refuses_a_branch_on_the_length_naming_the_first_differing_node():
+    model = Hybrid("branch").eval()
+    with pytest.raises(GeneralizeRefused) as caught:
+        gdn_fx.generalize(tracer(model))
+    message = str(caught.value)
+    assert "(3, 4) and (5, 4)" in message, message
+    assert "(mul.Tensor) vs" in message or "vs 'mul" in message, message
+    assert "branches on the lengths" in message
+
+
+def test_refuses_points_across_a_decode_branch():
+    """Traced at S = 1 and S > 1, a model with an S == 1 path (as transformers has) gives
+    two programs: refused (trace at S >= 2; the multi-token path then serves S = 1)."""
+    model = Hybrid("decode").eval()
+    with pytest.raises(GeneralizeRefused, match=r"\(1, 4\) and \(3, 4\)"):
+        gdn_fx.generalize(tracer(model), [(1, 4), (3, 4), (1, 7), (4, 9)])
+
+
+def test_refuses_a_literal_that_is_not_affine():
+    model = Hybrid("square").eval()
+    with pytest.raises(GeneralizeRefused) as caught:
+        gdn_fx.generalize(tracer(model))
+    message = str(caught.value)
+    assert "arange" in message and "[9, 25, 9, 36]" in message, message
+
+
+def test_refuses_a_float_literal_that_follows_the_length():
+    model = Hybrid("float").eval()
+    with pytest.raises(GeneralizeRefused, match="float literal"):
+        gdn_fx.generalize(tracer(model))
+
+
+def test_refuses_a_constant_made_from_the_length():
+    model = Hybrid("constant").eval()
+    with pytest.raises(GeneralizeRefused, match="constant"):
+        gdn_fx.generalize(tracer(model))
+
+
+def test_refuses_an_unrolled_loop():
+    """Without collapse the GDN loop unrolls: its node count grows with S."""
+    model = Hybrid().eval()
+    with pytest.raises(GeneralizeRefused, match="unrolled"):
+        gdn_fx.generalize(tracer(model), collapse=False)
+
+
+def test_points_must_fit_and_check():
+    with pytest.raises(UsageError, match="at least 4"):
+        gdn_fx.generalize(tracer(Hybrid()), [(3, 4), (5, 4), (3, 7)])
+    with pytest.raises(UsageError, match="affinely independent"):
+        gdn_fx.generalize(tracer(Hybrid()), [(3, 4), (5, 4), (7, 4), (3, 7)])
