@@ -270,3 +270,33 @@ def test_points_must_fit_and_check():
         gdn_fx.generalize(tracer(Hybrid()), [(3, 4), (5, 4), (3, 7)])
     with pytest.raises(UsageError, match="affinely independent"):
         gdn_fx.generalize(tracer(Hybrid()), [(3, 4), (5, 4), (7, 4), (3, 7)])
+
+
+# --- a transformers family ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_qwen3_5_plain_export_generalized_equals_the_reify_route(tmp_path):
+    """A plain torch.export of DecodeStep at fixed (S, P) (prefill path: the chunk rule and
+    the conv with its state), generalized: in tract it equals export_generator's artifact
+    and eager at untraced (S, P), S = 1 and S = 70 (two chunks) included, and generates 64
+    tokens as transformers' generate does."""
+    from gdn_fx.hf import DecodeStep, prepare_for_nnef, tiny_model
+    from gdn_fx.hf.generator import Generator, check_generation, export_generator
+
+    model = prepare_for_nnef(tiny_model("qwen3_5"))
+    step = DecodeStep(model, last_logits=True)
+    gen = gdn_fx.generalize(lambda S, P: torch.export.export(
+        step, step.example_inputs(seq_len=S, past_len=P), strict=False))
+    assert gen.counts == step.expected_fusions
+    path = gen.export_nnef(tmp_path / "q.nnef.tgz", input_names=step.input_names,
+                           output_names=step.output_names)
+    reified = export_generator(model, tmp_path / "r.nnef.tgz", decode=False).main
+    ours, theirs = tract_check.load(path), tract_check.load(reified)
+    for S, P in [(1, 0), (1, 5), (2, 3), (6, 0), (70, 4)]:
+        args = step.example_inputs(seq_len=S, past_len=P, source="random", seed=2)
+        assert tract_check.compare(ours, step.eager(*args), args).ok, (S, P)
+        want = [torch.from_numpy(x) for x in tract_check.run(theirs, args)]
+        assert tract_check.compare(ours, want, args, tolerance=1e-5).ok, (S, P)
+    result = Generator(path).generate(list(range(3, 40)), max_new_tokens=64)
+    check = check_generation(model, result)
+    assert check.ok, str(check)
