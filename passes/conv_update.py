@@ -33,6 +33,7 @@ from gdn_fx.passes.conv_patterns import (
     mutates, number, read_chain, read_feed, real_users, shorten_feed, single, slice_args,
     start_in, tails,
 )
+from gdn_fx.passes.conv_meaning import collapse_by_meaning
 from gdn_fx.passes.program import ASSERT_META, add_node, dtype, fake_mode_of, shape, val
 from gdn_fx.passes.result import Miss, NoMatch
 
@@ -78,23 +79,37 @@ def collapse_conv_updates(graph: fx.Graph, only: Optional[set] = None
 
     ``graph`` is not modified: the rewrite works on a copy (small by now: the rule runs after
     the loops have been collapsed), made only when the graph holds a 1-D conv at all.
+
+    Then the regions no structural pattern took are decided by what they compute
+    (conv_meaning.py: unfold, shifted multiply-adds, roll, channel-last, K - 1 states, ...); a
+    key of those names the region's output node.
     """
-    if not conv_nodes(graph):
-        return graph, [], []
-    graph = copy.deepcopy(graph)
-    fused, misses = [], []
+    fused, misses, missed = [], [], set()
+    if conv_nodes(graph):
+        graph = copy.deepcopy(graph)
+        fused, misses, missed = _collapse_patterns(graph, only)
+    graph, by_meaning, more, moot = collapse_by_meaning(graph, only, missed)
+    misses = [m for m in misses if m.node not in moot]
+    return graph, fused + by_meaning, misses + more
+
+
+def _collapse_patterns(graph: fx.Graph, only: Optional[set]) -> tuple[list, list]:
+    """The structural rule, in place on ``graph``: (keys fused, near-misses, names of the
+    convs that got one)."""
+    fused, misses, missed = [], [], set()
     mode = None
     for node in conv_nodes(graph):
         try:
             plan = _plan(node, _order(graph))
         except NoMatch as err:
             misses.append(Miss(NAME, err.reason, node=err.node))
+            missed.add(node.name)
             continue
         if plan is not None and (only is None or node.name in only):
             mode = mode or fake_mode_of(graph)
             _rewrite(graph, plan, mode)
             fused.append(node.name)
-    return graph, fused, misses
+    return fused, misses, missed
 
 
 def find_conv_updates(gm: Union[fx.GraphModule, fx.Graph]) -> list[str]:

@@ -428,7 +428,6 @@ def test_training_ir_write_stays_in_place_and_mutates():
 # case -> (module, state width, S, what the near-miss says)
 NEAR_MISSES = {
     "non-depthwise": (lambda: Update(groups=1), K, 3, "not depthwise"),
-    "state of K-1": (lambda: Update(), K - 1, 3, "needs exactly 4 samples"),
     "other window": (lambda: Update(out_slice=lambda s: slice(-s - 1, -1)), K, 3, "keeps conv"),
     "first window": (lambda: Update(out_slice=lambda s: slice(0, s)), K, 3, "keeps conv"),
     "padding 1": (lambda: Update(padding=1), K, 3, "keeps conv positions"),
@@ -455,6 +454,26 @@ def test_near_miss_left_untouched(case):
     assert len(misses) == 1 and reason in misses[0].reason, misses
     assert misses[0].node is not None and misses[0].rule == NAME
     assert len(find_conv_updates(_graph(new))) >= 1  # the exporter refuses dynamic S here
+
+
+@pytest.mark.parametrize("form", ("training", "core"))
+def test_state_of_k_minus_1_collapses_by_meaning(form):
+    """A state of K-1 samples (mamba's convention) is no structural match but computes the
+    update: conv_meaning.py fuses it (zero sample in front, sliced back). Oracle: transformers'
+    causal_conv1d_update run eagerly on clones."""
+    module = Update()
+    x, state = _inputs(module, 3, state_width=K - 1)
+    program = _export(module, (x.clone(), state.clone()), form)
+    new, fused, misses = collapse_conv(program)
+    assert fused == 1 and not misses and _count(new, (FUSED,)) == 1, misses
+    want_state = state.clone()
+    want = hf_update(x.clone(), want_state, module.conv.weight.squeeze(1), module.conv.bias,
+                     "silu")
+    got_state = state.clone()
+    with torch.no_grad():
+        got = new.module()(x.clone(), got_state)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_state, want_state, rtol=0, atol=0)
 
 
 def test_stateless_causal_conv_is_not_a_candidate():
