@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="how the NNEF stores the weights (f16: half size; q4_0: tract's "
                         "4-bit blocks for matmul weights); --check then compares with "
                         "transformers on the stored weights")
+    export.add_argument("--generalize", action="store_true",
+                        help="generation-ready route without reify: torch.export at fixed "
+                        "(S, P), collapse, gdn_fx.generalize to symbolic S and P")
     export.add_argument("--no-check", action="store_true",
                         help="skip the short tract generation compared with transformers")
     generate = sub.add_parser("generate", help="greedy generation in tract from an export")
@@ -110,7 +113,8 @@ def _dispatch(args) -> int:
         return _generate(args)
     job = Job(family=args.family, config=args.config, model_dir=args.model_dir, out=args.out,
               seq_len=args.seq_len or 1, dynamic_seq=args.dynamic_seq, dtype=args.dtype,
-              seed=args.seed, weights=args.weights)
+              seed=args.seed, weights=args.weights,
+              route="generalize" if args.generalize else "reify")
     if args.seq_len is None and not args.dynamic_seq:
         from gdn_fx.pipeline import render_generator, run_generator
 

@@ -34,6 +34,9 @@ class Job:
     dtype: str = "f32"
     seed: int = 0
     weights: str = "f32"  # how the NNEF stores the weights: f32, f16, q4_0 (export_nnef)
+    # generation-ready artifact: "reify" (export_generator) or "generalize" (plain exports at
+    # fixed (S, P), collapsed and generalized: gdn_fx.hf.generalized)
+    route: str = "reify"
 
 
 @dataclass
@@ -195,8 +198,15 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
     report = GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P, "
                                    f"weights {job.weights}")
     job.out.parent.mkdir(parents=True, exist_ok=True)
-    with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"):
-        files = export_generator(model, job.out, say=say, weights=job.weights)
+    if job.route == "generalize":
+        from gdn_fx.hf.generalized import export_generalized
+
+        with _timed(report, "export", say, "torch.export at fixed (S, P), collapse, "
+                    "generalize, NNEF"):
+            files = export_generalized(model, job.out, say=say, weights=job.weights)
+    else:
+        with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"):
+            files = export_generator(model, job.out, say=say, weights=job.weights)
     report.files = files
     report.expected = DecodeStep(model).expected_fusions
     report.decisions = {p: tract_check.read_decisions(p) for p in (files.main, files.decode)

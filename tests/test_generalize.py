@@ -300,3 +300,11 @@ def test_qwen3_5_plain_export_generalized_equals_the_reify_route(tmp_path):
     result = Generator(path).generate(list(range(3, 40)), max_new_tokens=64)
     check = check_generation(model, result)
     assert check.ok, str(check)
+
+
+def test_cli_generalize_takes_no_fixed_length(tmp_path, capsys):
+    from gdn_fx.cli import main
+
+    status = main(["export", "--family", "qwen3_5", "--generalize", "--seq-len", "3",
+                   "--out", str(tmp_path / "x.nnef.tgz")])
+    assert status == 2 and "--generalize" in capsys.readouterr().err

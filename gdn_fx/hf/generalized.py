@@ -1,0 +1,69 @@
+"""The generation-ready artifact by the generalize route (``gdn_fx.generalize``).
+
+    files = export_generalized(tiny_model("qwen3_5"), "out/q.nnef.tgz")
+
+The same artifact contract as :func:`gdn_fx.hf.generator.export_generator` (inputs
+``input_ids [B, S]`` then DecodeStep's states, outputs the last logits then the new states,
+symbolic S >= 1 and P >= 0, a decode graph beside it when tract serves it), made another way:
+no function of transformers is swapped. DecodeStep is exported plainly with torch.export at a
+few fixed (S, P), each program is collapsed, and ``gdn_fx.generalize`` makes one program
+symbolic in S and P from them. The points have S >= 2 (transformers' ``S == 1`` branch is
+another program: traced at S = 1 and S > 1 the graphs differ and generalize refuses); the
+multi-token branch carries the given states, so it serves S = 1 too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from gdn_fx.generalize import DEFAULT_POINTS, Generalized, generalize
+from gdn_fx.hf.decode import DecodeStep
+from gdn_fx.hf.generator import GeneratorFiles, _decode_problem, decode_path
+from gdn_fx.hf.nnef import prepare_for_nnef
+
+
+def generalize_step(step: DecodeStep, points: Sequence = DEFAULT_POINTS) -> Generalized:
+    """``step`` exported plainly (non-strict torch.export) at each (S, P) of ``points``,
+    collapsed and generalized."""
+    def trace(seq: int, past: int) -> torch.export.ExportedProgram:
+        args = step.example_inputs(seq_len=seq, past_len=past)
+        return torch.export.export(step, args, strict=False)
+
+    return generalize(trace, points)
+
+
+def export_generalized(model: nn.Module, path: Union[str, Path], *, decode: bool = True,
+                       points: Sequence = DEFAULT_POINTS, tract_version: str = "0.23.9",
+                       choose: Optional[Mapping] = None, weights: str = "f32",
+                       say: Callable[[str], None] = lambda line: None) -> GeneratorFiles:
+    """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF by the
+    generalize route (see the module doc); arguments and result as ``export_generator``'s.
+    Raises GeneralizeRefused (naming the node) where no single program serves every S, P."""
+    step = DecodeStep(prepare_for_nnef(model), last_logits=True)
+    say(f"torch.export at (S, P) = {list(points)}, collapse, generalize")
+    gen = generalize_step(step, points)
+    names = dict(input_names=step.input_names, output_names=step.output_names,
+                 tract_version=tract_version, choose=choose, weights=weights)
+    say(f"write {path}")
+    main = gen.export_nnef(path, **names)
+    if not decode:
+        return GeneratorFiles(main, None, tuple(step.input_names), tuple(step.output_names),
+                              "not asked for")
+    from gdn_fx.export import export_nnef
+
+    target = decode_path(path)
+    say(f"write {target}")
+    past = {k: v for k, v in gen.dynamic_axes(step.input_names).items()
+            if "P" in v.values()}
+    written = export_nnef(gen.decode_program(), target, dynamic_axes=past,
+                          symbol_min={"P": 0}, **names)
+    note = _decode_problem(written, step, None if weights == "f32" else main)
+    if note:
+        say(f"decode graph dropped: {note}; the main graph serves decode")
+        written.unlink()
+    return GeneratorFiles(main, None if note else written, tuple(step.input_names),
+                          tuple(step.output_names), note)
