@@ -195,7 +195,7 @@ def _state_candidates(out: fx.Node, weight: fx.Node, order: dict, channels: int,
     seen, todo, found = set(), [out], []
     while todo:
         node = todo.pop()
-        for arg in node.all_input_nodes:
+        for arg in node.all_input_nodes + _writers(node):
             if arg in seen or arg is weight:
                 continue
             seen.add(arg)
@@ -209,6 +209,21 @@ def _state_candidates(out: fx.Node, weight: fx.Node, order: dict, channels: int,
                 todo.append(arg)
     found.sort(key=order.__getitem__)
     return found
+
+
+def _writers(node: fx.Node) -> list:
+    """In-place writes into ``node``'s storage (through any view of its base)."""
+    base, found, todo, seen = base_of(node), [], [base_of(node)], set()
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in seen or not is_alias(user) or user.args[0] is not current:
+                continue
+            seen.add(user)
+            if is_mutation(user):
+                found.append(user)
+            todo.append(user)
+    return found if base is not node or found else []
 
 
 def _bias_chain(node: fx.Node, channels: int) -> Optional[list]:
@@ -229,6 +244,11 @@ def build_region(out: fx.Node, state: fx.Node, weight: fx.Node, order: dict) -> 
     channels, kernel = shape(weight)[0], shape(weight)[-1]
     limit = order[out] + TAIL
     near = _forward([state, weight], limit, order)
+    # a buffer made from literals (empty, zeros) that the region writes S or x into
+    made = {base_of(n.args[0]) for n in near if is_mutation(n)}
+    made = [m for m in made if m not in near and _evaluable(m) and m.op == "call_function"]
+    if made:
+        near |= _forward(made, limit, order)
     # in-place writes into S (directly or through a view) and state values handed out
     writes = [n for n in near if is_mutation(n) and base_of(n.args[0]) is state]
     sinks = [out] + writes + [n for n in near if _hands_out_state(n, state)]
@@ -302,7 +322,12 @@ class _Float64(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         args = tuple(torch.float64 if a in FLOATS else a for a in args)
         kwargs = {k: torch.float64 if v in FLOATS else v for k, v in kwargs.items()}
-        return super().call_function(target, args, kwargs)
+        result = super().call_function(target, args, kwargs)
+        made = not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(
+            (args, kwargs)))
+        if made and isinstance(result, torch.Tensor) and result.is_floating_point():
+            result = result.double()  # a factory in the default dtype
+        return result
 
 
 def cut_out(region: Region) -> fx.GraphModule:
@@ -491,9 +516,9 @@ def _explain(region, layout, worst_out, worst_state, detail) -> str:
         full = torch.cat([_to_first(s, layout.state), _to_first(x, layout.x)], -1)
         width = region.width
         got = _to_first(value, kind) if value.dim() == 3 else value
-        slips = {f"it keeps positions shifted by {shift}": full[..., full.shape[-1] - width
-                                                                - shift + 1:][..., :width]
-                 for shift in (0, 2, 3) if full.shape[-1] - width - shift + 1 >= 0}
+        slips = {f"it keeps the window {early} sample{'s' * (early > 1)} early":
+                 full[..., full.shape[-1] - width - early:][..., :width]
+                 for early in (1, 2) if full.shape[-1] - width - early >= 0}
         slips["the activation is applied to the kept samples"] = F.silu(
             full[..., full.shape[-1] - width:])
         named = [why for why, v in slips.items() if v.shape == got.shape
