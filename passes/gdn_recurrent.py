@@ -138,10 +138,10 @@ def _order(graph: fx.Graph) -> dict:
 
 def _recurrence(cluster: Cluster, tags: dict, outs: list, order: dict) -> Recurrence:
     loop = cut_steps(cluster, tags, outs, order)
-    _check_reads(loop)
-    last, outcome = _last_step(loop, cluster, tags, order)
-    layout = outcome.layout
-    _check_steps(loop, layout)
+    _check_reads(loop.steps[:-1])  # the last step's body is known once its new state is
+    layout = _check_steps(loop)
+    last, layout = _last_step(loop, cluster, tags, order, layout)
+    _check_reads(loop.steps)
     gathered = gather(outs, order)
     final = last.state_out
     region = ScanRegion(_region_nodes(loop), gathered.value, gathered.axis, final, outs[0],
@@ -155,10 +155,10 @@ def _recurrence(cluster: Cluster, tags: dict, outs: list, order: dict) -> Recurr
     return Recurrence(region, plan, loop.length)
 
 
-def _check_reads(loop: Loop) -> None:
+def _check_reads(steps: list) -> None:
     """Every step reads the same tensors (each at its own position: loops.walk_body)."""
-    first = set(loop.steps[0].reads)
-    for step in loop.steps[1:]:
+    first = set(steps[0].reads) if steps else set()
+    for step in steps[1:]:
         if set(step.reads) != first:
             extra, missing = set(step.reads) - first, first - set(step.reads)
             what = (f"reads {min(extra, key=_name)[0].name}, which step 0 does not" if extra
@@ -170,9 +170,11 @@ def _name(group) -> str:
     return group[0].name
 
 
-def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict) -> tuple[Step, Outcome]:
+def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
+               ) -> tuple[Step, object]:
     """The last step with its new state: the state-shaped value after the state that makes
-    the step the delta rule (None when the loop's final state is not computed)."""
+    the step the delta rule (None when the loop's final state is not computed), in the
+    layout of the steps before it (when there are any). Returns (step, layout)."""
     last = loop.steps[-1]
     t = loop.length - 1
     candidates = sorted((c for c in descendants_in(last.state_in, tags, t)
@@ -201,8 +203,10 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict) -> tuple[S
         step, outcome = nearest
         raise NoMatch(_not_delta(step, outcome), node=step.out, step=step.t)
     step, outcome = chosen or passing[0]
+    if layout is not None:
+        _same_layout(step, outcome.layout, layout)
     loop.steps[-1] = step
-    return step, outcome
+    return step, outcome.layout
 
 
 def _not_delta(step: Step, outcome: Outcome) -> str:
@@ -213,10 +217,11 @@ def _not_delta(step: Step, outcome: Outcome) -> str:
             f"{outcome.out_error:.2g} in the output (relative, float64)")
 
 
-def _check_steps(loop: Loop, layout) -> None:
-    """Steps structurally equal to the step before share its verdict; the others (and step
-    0, whose state comes from outside) are evaluated."""
-    steps = loop.steps
+def _check_steps(loop: Loop):
+    """The layout of steps 0..T-2 (None for a single step). Step T-2 is evaluated, and every
+    step that is not node for node the same as the step after it (step 0 among them, its
+    state comes from outside); the others share the verdict of the step after them."""
+    steps, layout = loop.steps, None
     for t in range(len(steps) - 2, -1, -1):
         step = steps[t]
         if t > 0 and t + 1 < len(steps) - 1 and _same_step(step, steps[t + 1]):
@@ -224,12 +229,18 @@ def _check_steps(loop: Loop, layout) -> None:
         outcome = decide(step, step.state_out, loop.groups)
         if outcome.layout is None:
             raise NoMatch(_not_delta(step, outcome), node=step.out, step=t)
-        if (outcome.layout.roles, outcome.layout.key_first, outcome.layout.log_gate) != (
-                layout.roles, layout.key_first, layout.log_gate) or \
-                abs(outcome.layout.scale - layout.scale) > 1e-9 * abs(layout.scale):
-            raise NoMatch(f"step {t} is the delta rule in another layout ("
-                          f"{outcome.layout.describe()}) than the last step ("
-                          f"{layout.describe()})", node=step.out, step=t)
+        if layout is None:
+            layout = outcome.layout
+        _same_layout(step, outcome.layout, layout)
+    return layout
+
+
+def _same_layout(step: Step, got, want) -> None:
+    if (got.roles, got.key_first, got.log_gate) != (want.roles, want.key_first,
+                                                     want.log_gate) or \
+            abs(got.scale - want.scale) > 1e-9 * abs(want.scale):
+        raise NoMatch(f"step {step.t} is the delta rule in another layout ({got.describe()}) "
+                      f"than the steps after it ({want.describe()})", node=step.out, step=step.t)
 
 
 def _same_step(a: Step, b: Step) -> bool:

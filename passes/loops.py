@@ -260,10 +260,12 @@ def step_candidates(cluster: Cluster, tags: dict, order: dict) -> list[list[fx.N
         found[t] = [n for n in nodes if not (n.target is ATEN.unsqueeze.default
                                              and n.args[0] in nodes)]
     if not found:
-        raise NoMatch("no step value is gathered into a buffer or a stack")
+        raise NoMatch("no step value is gathered into a buffer or a stack",
+                      node=min(cluster.reads, key=order.__getitem__))
     chains = [[o] for o in found[0]]
     if not chains:
-        raise NoMatch("step 0 gathers nothing", step=0)
+        raise NoMatch("step 0 gathers nothing", node=min(cluster.reads, key=order.__getitem__),
+                      step=0)
     for t in range(1, cluster.length):
         taken = {}
         for c in found[t]:
@@ -392,10 +394,11 @@ def _incoming_state(t: int, earlier: list, consts: list, like: fx.Node, body: se
                           "one state", node=earlier[0] if earlier else None, step=t)
         return earlier[0]
     if earlier:
-        raise NoMatch(f"step 0 reads {earlier[0].name}, computed by a later step", step=0)
+        raise NoMatch(f"step 0 reads {earlier[0].name}, computed by a later step",
+                      node=earlier[0], step=0)
     shaped = [c for c in consts if state_like(c)]
     if len(shaped) != 1:
         what = ", ".join(n.name for n in shaped[:3]) or "none"
         raise NoMatch(f"step 0 reads {len(shaped)} matrix-shaped values from before the loop "
-                      f"({what}); a recurrence step reads one initial state", step=0)
+                      f"({what}); a recurrence step reads one initial state", node=like, step=0)
     return shaped[0]

@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.layouts import ROLE_SETS, Layout, group_features
+from gdn_fx.passes.loops import time_read
 from gdn_fx.passes.program import shape, val
 from gdn_fx.passes.result import NoMatch
 
@@ -39,6 +40,7 @@ class Outcome:
     state_error: float = float("inf")
     out_error: float = float("inf")
     hint: str = ""
+    nearest: Optional[Layout] = None  # the layout closest to the body, when none fits
 
 
 def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.GraphModule:
@@ -53,8 +55,7 @@ def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.GraphModule:
         for node in nodes:
             read_value = group_inputs[g]
             env[node] = graph.call_function(torch.unsqueeze, (read_value, g[1])) \
-                if node.target is torch.ops.aten.slice.Tensor or _keepdim_split(node) \
-                else read_value
+                if time_read(node).keepdim else read_value
     for node in step.consts:
         if not _evaluable(node):
             raise NoMatch(f"step {step.t} reads {node.name}, a tensor from outside the loop "
@@ -66,11 +67,6 @@ def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.GraphModule:
     results = (env[final] if final is not None else None, env[step.out])
     graph.output(results)
     return fx.GraphModule(step.state_in.graph.owning_module or torch.nn.Module(), graph)
-
-
-def _keepdim_split(node: fx.Node) -> bool:
-    return node.target is not torch.ops.aten.select.int and \
-        getattr(node.args[0], "target", None) is not torch.ops.aten.unbind.int
 
 
 def _evaluable(node: fx.Node, depth: int = 0) -> bool:
@@ -98,9 +94,9 @@ class _Float64(fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def _draw(like: torch.Tensor, role_hint: str, gen: torch.Generator) -> torch.Tensor:
-    x = torch.rand(like.shape, generator=gen, dtype=torch.float64)
-    return x * 2 - 1 if role_hint != "positive" else x * 0.9 + 0.1
+def _draw(like, gen: torch.Generator) -> torch.Tensor:
+    """Uniform in [-1, 1]: both signs, so a clamp, an abs or a missing exp shows."""
+    return torch.rand(tuple(like.shape), generator=gen, dtype=torch.float64) * 2 - 1
 
 
 def decide(step, final: Optional[fx.Node], groups: list) -> Outcome:
@@ -116,18 +112,20 @@ def decide(step, final: Optional[fx.Node], groups: list) -> Outcome:
     gen = torch.Generator().manual_seed(SEED)
     points = []
     for _ in range(POINTS):
-        s0 = _draw(state, "", gen)
-        ins = [_draw(torch.empty(dims), "", gen) for dims in reads]
+        s0 = _draw(state, gen)
+        ins = [_draw(torch.empty(dims), gen) for dims in reads]
         got = _Float64(module).run(s0.clone(), *[x.clone() for x in ins])
         points.append((s0, ins, got))
-    best = Outcome(None)
+    best, state_fits = Outcome(None), []
     for layout in candidates:
         outcome = _score(layout, points, final is not None)
         if outcome.layout is not None:
             return outcome
         if (outcome.state_error, outcome.out_error) < (best.state_error, best.out_error):
             best = outcome
-    best.hint = _hint(best, points, final is not None)
+        if final is not None and outcome.state_error <= TOLERANCE:
+            state_fits.append(layout)
+    best.hint = _hint(state_fits, points)
     return best
 
 
@@ -175,7 +173,7 @@ def _reference(layout: Layout, s0, ins):
     s = s0 if layout.key_first else s0.transpose(-1, -2)
     decay = x["g"].exp() if layout.log_gate else x["g"]
     decay = decay[..., None] if decay.dim() > len(batch) else decay[..., None, None]
-    s = s * decay
+    x["decayed"] = s = s * decay
     delta = x["v"] - (s * x["k"][..., :, None]).sum(-2)
     if "beta" in x:
         s = s + x["k"][..., :, None] * (delta * x["beta"][..., None])[..., None, :]
@@ -199,7 +197,7 @@ def _score(layout: Layout, points, with_state: bool) -> Outcome:
             worst_s = max(worst_s, _rel(s_got, s_ref))
         o_got = o_got.reshape(o_ref.shape) if o_got.numel() == o_ref.numel() else None
         if o_got is None:
-            return Outcome(None, worst_s, float("inf"))
+            return Outcome(None, worst_s, float("inf"), nearest=layout)
         c = (o_got * o_ref).sum().item() / max((o_ref * o_ref).sum().item(), 1e-300)
         scales.append(c)
         worst_o = max(worst_o, _rel(o_got, c * o_ref))
@@ -207,19 +205,21 @@ def _score(layout: Layout, points, with_state: bool) -> Outcome:
         worst_o = max(worst_o, 1.0)
     if worst_s <= TOLERANCE and worst_o <= TOLERANCE:
         return Outcome(layout.with_scale(scales[0]), worst_s, worst_o)
-    return Outcome(None, worst_s, worst_o)
+    return Outcome(None, worst_s, worst_o, nearest=layout)
 
 
-def _hint(best: Outcome, points, with_state: bool) -> str:
-    """Name the slip when the output is the readout of another state than the updated one."""
-    if best.layout is None or best.state_error > TOLERANCE:
-        return ""
-    layout = best.layout
+def _hint(state_fits: list, points) -> str:
+    """Name the slip when, under a layout whose new state is right, the output is the readout
+    of the state before the update (as received, or decayed)."""
     s0, ins, (_, o_got) = points[0]
-    _, _, s_before, x = _reference(layout, s0, ins)
-    readout = (s_before * x["q"][..., :, None]).sum(-2)
-    o_got = o_got.reshape(readout.shape)
-    c = (o_got * readout).sum().item() / max((readout * readout).sum().item(), 1e-300)
-    if _rel(o_got, c * readout) <= 1e-6:
-        return "the readout reads the state before the update, expected after"
+    for layout in state_fits:
+        _, _, s_in, x = _reference(layout, s0, ins)
+        for before in (s_in, x["decayed"]):
+            readout = (before * x["q"][..., :, None]).sum(-2)
+            if o_got.numel() != readout.numel():
+                continue
+            got = o_got.reshape(readout.shape)
+            c = (got * readout).sum().item() / max((readout * readout).sum().item(), 1e-300)
+            if _rel(got, c * readout) <= 1e-6:
+                return "the readout reads the state before the update, expected after"
     return ""
