@@ -179,34 +179,53 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
     t = loop.length - 1
     candidates = sorted((c for c in descendants_in(last.state_in, tags, t)
                          if state_like(c, last.state_in)), key=order.__getitem__)
-    passing, chosen, nearest = [], None, None
+    passing, chosen = [], None
     for final in candidates + [None]:
         if final is None and passing:
             break
-        body, reads, earlier, consts = walk_body([last.out] + ([final] if final else []), t,
-                                                 tags, cluster)
-        if len(earlier) > 1 or (t > 0 and earlier != [last.state_in]):
+        step = _ending_with(last, final, t, tags, cluster, order)
+        if step is None:
             continue
-        step = Step(t, last.state_in, final, last.out, reads,
-                    sorted(body, key=order.__getitem__),
-                    [c for c in consts if c is not last.state_in])
-        outcome = decide(step, final, loop.groups)
+        outcome = decide(step, final, loop.groups, layout, search=layout is None)
         if outcome.layout is not None:
             passing.append((step, outcome))
-            if final is not None and any(u not in body for u in final.users):
+            if final is not None and any(u not in step.body for u in final.users):
                 chosen = passing[-1]  # the state the program reads after the loop
                 break
-        elif nearest is None or (outcome.state_error, outcome.out_error) < (
-                nearest[1].state_error, nearest[1].out_error):
-            nearest = (step, outcome)
     if not passing:
-        step, outcome = nearest
-        raise NoMatch(_not_delta(step, outcome), node=step.out, step=step.t)
+        raise _nearest_miss(last, candidates, loop, t, tags, cluster, order)
     step, outcome = chosen or passing[0]
     if layout is not None:
         _same_layout(step, outcome.layout, layout)
     loop.steps[-1] = step
     return step, outcome.layout
+
+
+def _ending_with(last: Step, final, t: int, tags: dict, cluster: Cluster, order: dict):
+    """The last step with ``final`` as its new state (None: it reads from another step)."""
+    body, reads, earlier, consts = walk_body([last.out] + ([final] if final else []), t,
+                                             tags, cluster)
+    if len(earlier) > 1 or (t > 0 and earlier != [last.state_in]):
+        return None
+    return Step(t, last.state_in, final, last.out, reads, sorted(body, key=order.__getitem__),
+                [c for c in consts if c is not last.state_in])
+
+
+def _nearest_miss(last: Step, candidates: list, loop: Loop, t, tags, cluster, order) -> NoMatch:
+    """Why no candidate new state makes the last step the delta rule (the nearest layout)."""
+    nearest = None
+    for final in candidates + [None]:
+        step = _ending_with(last, final, t, tags, cluster, order)
+        if step is None:
+            continue
+        outcome = decide(step, final, loop.groups)
+        if nearest is None or (outcome.state_error, outcome.out_error) < (
+                nearest[1].state_error, nearest[1].out_error):
+            nearest = (step, outcome)
+    if nearest is None:
+        return NoMatch(f"step {t} reads from other steps than the one before", node=last.out,
+                       step=t)
+    return NoMatch(_not_delta(*nearest), node=last.out, step=t)
 
 
 def _not_delta(step: Step, outcome: Outcome) -> str:
@@ -226,7 +245,7 @@ def _check_steps(loop: Loop):
         step = steps[t]
         if t > 0 and t + 1 < len(steps) - 1 and _same_step(step, steps[t + 1]):
             continue
-        outcome = decide(step, step.state_out, loop.groups)
+        outcome = decide(step, step.state_out, loop.groups, layout)
         if outcome.layout is None:
             raise NoMatch(_not_delta(step, outcome), node=step.out, step=t)
         if layout is None:
@@ -265,13 +284,11 @@ def _same_step(a: Step, b: Step) -> bool:
 
 
 def _equal(x, y) -> bool:
-    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        return len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
-    if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
-    if isinstance(x, fx.Node) or isinstance(y, fx.Node):
-        return x is y
-    return type(x) is type(y) and x == y
+    """Argument equality: nodes by identity (fx.Node has no __eq__), literals by value."""
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 (a tensor literal: not comparable, so not the same)
+        return False
 
 
 def _region_nodes(loop: Loop) -> set:

@@ -268,12 +268,14 @@ def step_candidates(cluster: Cluster, tags: dict, order: dict) -> list[list[fx.N
                       step=0)
     for t in range(1, cluster.length):
         taken = {}
-        for c in found[t]:
+        if len(chains) == 1 and len(found[t]) == 1:
+            taken[0] = found[t]  # unambiguous; whether it reads the right state is step_meaning's
+        for c in found[t] if not taken else ():
             chain = _linked(chains, c, t, tags, cluster)
             if chain is not None:
                 taken.setdefault(chain, []).append(c)
         if not taken and len(chains) == 1 and len(found[t]) == 1:
-            taken[0] = found[t]  # unambiguous; whether it reads the right state is step_meaning's
+            taken[0] = found[t]
         for i, chain in enumerate(chains):
             got = taken.get(i, [])
             if len(got) > 1 and t == cluster.length - 1:  # what follows may gather too
