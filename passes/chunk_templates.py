@@ -29,16 +29,27 @@ PADS = (ATEN.pad.default, ATEN.constant_pad_nd.default)
 INPUTS = ("q", "k", "v", "g", "beta")
 
 
-def _qwen_chunk() -> Callable:
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+def _installed(kind: str, places: tuple) -> Callable:
+    """The first of ``places`` (module, function) the installed transformers has: releases
+    differ in which families they ship (5.0 has qwen3_next's rule, not qwen3_5's)."""
+    import importlib
 
-    return torch_chunk_gated_delta_rule
+    for module, name in places:
+        try:
+            return getattr(importlib.import_module(f"transformers.models.{module}"), name)
+        except (ImportError, AttributeError):
+            continue
+    raise NoMatch(f"the installed transformers has no chunked {kind} rule to compare with "
+                  f"(looked in {', '.join(m for m, _ in places)})")
+
+
+def _qwen_chunk() -> Callable:
+    return _installed("GDN", (("qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule"),
+                              ("qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule")))
 
 
 def _kimi_chunk() -> Callable:
-    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
-
-    return chunk_kimi_delta_attention
+    return _installed("KDA", (("kimi_linear.modeling_kimi_linear", "chunk_kimi_delta_attention"),))
 
 
 # kind -> the installed transformers' chunked rule. Whether it scales q itself after the pad

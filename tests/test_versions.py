@@ -98,6 +98,28 @@ def test_prefill_collapses_through_this_release_chunk_rule():
     assert gdn_fx.compare_programs(program, result.program) is None
 
 
+def test_this_release_chunked_rule_collapses_on_its_own():
+    """transformers' chunked GDN rule as a plain module: the chunk rule's template comes from
+    whichever family this release ships (5.0 has qwen3_next's, not qwen3_5's)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    class Chunked(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, s0):
+            return torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, initial_state=s0,
+                                                output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, d = 1, 8, 2, 4
+    args = (torch.randn(b, t, h, d, generator=gen), torch.randn(b, t, h, d, generator=gen),
+            torch.randn(b, t, h, d, generator=gen), -torch.rand(b, t, h, generator=gen),
+            torch.rand(b, t, h, generator=gen), torch.randn(b, h, d, d, generator=gen))
+    program = torch.export.export(Chunked(), args, strict=False)
+    result = gdn_fx.collapse(program)
+    assert result.counts.get("gated_delta_scan", 0) == 1, result.explain()
+    assert gdn_fx.compare_programs(program, result.program) is None
+
+
 def test_a_collapsed_decode_step_runs_in_tract(tmp_path):
     if not FULL:
         pytest.skip(f"transformers {VERSION}: NNEF is checked from 5.15")
