@@ -69,3 +69,7 @@ class GeneralizeRefused(ExportRefused):
     """Programs traced at fixed lengths that no single program symbolic in S and P can stand
     for (``gdn_fx.generalize``): the message names the node (a branch on the length, a
     literal that is not affine in S and P)."""
+
+
+class InternalError(GdnFxError, AssertionError):
+    """A broken invariant inside gdn-fx (a bug to report), never the user's input."""

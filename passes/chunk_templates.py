@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import fx
 
+from gdn_fx.errors import InternalError
 from gdn_fx.passes.match import Pattern
 from gdn_fx.passes.result import NoMatch
 from gdn_fx.reference import recurrent_delta_rule_reference
@@ -182,7 +183,7 @@ def _first_pad(placeholder: fx.Node) -> fx.Node:
             if user not in seen:
                 seen.add(user)
                 todo.append(user)
-    raise AssertionError(f"template input {placeholder.name} reaches no pad")
+    raise InternalError(f"template input {placeholder.name} reaches no pad")
 
 
 def _state_value(placeholder: fx.Node) -> fx.Node:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
+from gdn_fx.errors import InternalError
 from gdn_fx.passes.program import is_pure, shape
 from gdn_fx.passes.result import NoMatch
 
@@ -282,7 +283,7 @@ def match_at(pattern: Pattern, anchor: fx.Node, complete: bool = False) -> Match
         raise
     missing = [p for p in pattern.graph.nodes if p.op == "call_function" and p not in walk.m.nodes]
     if missing and not complete:  # unreachable from the anchor: a pattern bug, not a graph one
-        raise AssertionError(f"pattern {pattern.name}: {missing} unreachable from the anchor")
+        raise InternalError(f"pattern {pattern.name}: {missing} unreachable from the anchor")
     walk.m.missing = _complete_forward(walk, missing)
     return walk.m
 

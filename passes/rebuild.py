@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import fx
 
+from gdn_fx.errors import InternalError
 from gdn_fx.passes.match import is_dead
 from gdn_fx.passes.program import is_pure
 
@@ -63,7 +64,7 @@ def _left_behind(graph: fx.Graph, fusions: list[Fusion]) -> set:
     for fusion in fusions:
         overlap = gone & (fusion.drop | set(fusion.replace))
         if overlap:  # two rules (or one rule twice) claimed the same region: a bug
-            raise AssertionError(f"fusions overlap at {sorted(n.name for n in overlap)[:5]}")
+            raise InternalError(f"fusions overlap at {sorted(n.name for n in overlap)[:5]}")
         gone |= fusion.drop | set(fusion.replace)
         needed |= fusion.inputs
     for node in reversed(graph.nodes):

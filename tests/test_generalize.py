@@ -274,8 +274,15 @@ def test_points_must_fit_and_check():
 
 # --- a transformers family ------------------------------------------------------------------
 
+# Every family the reify route exports (lara_mini and glm5_next are refused there too: a
+# sliding window bounding S and P, sizes that depend on values).
+GENERATING = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear",
+              "bailing_hybrid", "lfm2")
+
+
 @pytest.mark.slow
-def test_qwen3_5_plain_export_generalized_equals_the_reify_route(tmp_path):
+@pytest.mark.parametrize("family", GENERATING)
+def test_plain_export_generalized_equals_the_reify_route(tmp_path, family):
     """A plain torch.export of DecodeStep at fixed (S, P) (prefill path: the chunk rule and
     the conv with its state), generalized: in tract it equals export_generator's artifact
     and eager at untraced (S, P), S = 1 and S = 70 (two chunks) included, and generates 64
@@ -283,7 +290,7 @@ def test_qwen3_5_plain_export_generalized_equals_the_reify_route(tmp_path):
     from gdn_fx.hf import DecodeStep, prepare_for_nnef, tiny_model
     from gdn_fx.hf.generator import Generator, check_generation, export_generator
 
-    model = prepare_for_nnef(tiny_model("qwen3_5"))
+    model = prepare_for_nnef(tiny_model(family))
     step = DecodeStep(model, last_logits=True)
     gen = gdn_fx.generalize(lambda S, P: torch.export.export(
         step, step.example_inputs(seq_len=S, past_len=P), strict=False))
