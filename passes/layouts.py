@@ -90,20 +90,25 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
     ops = scan_operands({r: s for r, (s, _) in sources.items()}, state, head_major=head_major)
     ops.scale *= layout.scale
     b, h = batch_heads(layout.state_shape)
-    for role, (source, time_axis) in sources.items():
-        feature = [] if role == "beta" else layout.features[layout.roles[role]]
-        want = [b, length, h] + list(feature)
-        if not _standard(source, time_axis, head_major, want):
-            ops.nodes[role] = _peel_casts(source)
-            ops.to_time_major.discard(role)
-            ops.adapters[role] = _adapt(shape(source), time_axis, want)
+    wants = {role: [b, length, h] + ([] if role == "beta" else list(
+        layout.features[layout.roles[role]])) for role in sources}
+    odd = {role for role, (source, time_axis) in sources.items()
+           if not _standard(source, time_axis, head_major, wants[role])}
+    if odd & {"q", "k"}:  # q and k are peeled together (l2norm, scale, GQA): undo both
+        odd |= {"q", "k"}
+        ops.qk_l2norm, ops.scale = False, layout.scale
+    for role in odd:
+        source, time_axis = sources[role]
+        ops.nodes[role] = _peel_casts(source)
+        ops.to_time_major.discard(role)
+        ops.adapters[role] = _adapt(shape(source), time_axis, wants[role])
     if not layout.log_gate:  # the loop walks exp(g): hand the op g (peeled, or log taken)
         decay = ops.nodes["g"]
         if decay.target is ATEN.exp.default and shape(decay.args[0]) == shape(decay):
             ops.nodes["g"] = decay.args[0]
         else:
             ops.adapters["g"] = ops.adapters.get("g", []) + [(ATEN.log.default, ())]
-    dk, dv = layout.state_shape[-2:] if layout.key_first else layout.state_shape[:-3:-1]
+    dv = layout.state_shape[-1] if layout.key_first else layout.state_shape[-2]
     state_steps = [] if len(layout.state_shape) == 4 else [(ATEN.reshape.default, ([b, h] + list(
         layout.state_shape[-2:]),))]
     if not layout.key_first:
