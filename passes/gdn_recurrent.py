@@ -28,7 +28,7 @@ from gdn_fx.passes.layouts import Plan, plan_operands
 from gdn_fx.passes.loop_outputs import gather
 from gdn_fx.passes.loops import (Cluster, Loop, Step, cut_steps, descendants_in, find_clusters,
                                  state_like, step_candidates, tag_window, walk_body)
-from gdn_fx.passes.program import fake_mode_of, shape
+from gdn_fx.passes.program import fake_mode_of, is_pure, shape
 from gdn_fx.passes.rebuild import rebuild
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
@@ -177,8 +177,10 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
     layout of the steps before it (when there are any). Returns (step, layout)."""
     last = loop.steps[-1]
     t = loop.length - 1
+    # The state read after the loop first (it usually is the new state), then graph order.
     candidates = sorted((c for c in descendants_in(last.state_in, tags, t)
-                         if state_like(c, last.state_in)), key=order.__getitem__)
+                         if state_like(c, last.state_in)),
+                        key=lambda c: (not any(_read_after(u, tags) for u in c.users), order[c]))
     passing, chosen = [], None
     for final in candidates + [None]:
         if final is None and passing:
@@ -186,7 +188,10 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
         step = _ending_with(last, final, t, tags, cluster, order)
         if step is None:
             continue
-        outcome = decide(step, final, loop.groups, layout, search=layout is None)
+        try:
+            outcome = decide(step, final, loop.groups, layout, search=layout is None)
+        except NoMatch:  # e.g. a copy into the input state: reads what the loop does not
+            continue
         if outcome.layout is not None:
             passing.append((step, outcome))
             if final is not None and any(u not in step.body for u in final.users):
@@ -201,6 +206,11 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
     return step, outcome.layout
 
 
+def _read_after(user: fx.Node, tags: dict) -> bool:
+    """A read of the loop's result: the graph's output, a write, or past the loop's window."""
+    return user.op == "output" or user not in tags or not is_pure(user)
+
+
 def _ending_with(last: Step, final, t: int, tags: dict, cluster: Cluster, order: dict):
     """The last step with ``final`` as its new state (None: it reads from another step)."""
     body, reads, earlier, consts = walk_body([last.out] + ([final] if final else []), t,
@@ -213,19 +223,23 @@ def _ending_with(last: Step, final, t: int, tags: dict, cluster: Cluster, order:
 
 def _nearest_miss(last: Step, candidates: list, loop: Loop, t, tags, cluster, order) -> NoMatch:
     """Why no candidate new state makes the last step the delta rule (the nearest layout)."""
-    nearest = None
+    nearest, first_error = None, None
     for final in candidates + [None]:
         step = _ending_with(last, final, t, tags, cluster, order)
         if step is None:
             continue
-        outcome = decide(step, final, loop.groups)
+        try:
+            outcome = decide(step, final, loop.groups)
+        except NoMatch as err:
+            first_error = first_error or err
+            continue
         if nearest is None or (outcome.state_error, outcome.out_error) < (
                 nearest[1].state_error, nearest[1].out_error):
             nearest = (step, outcome)
-    if nearest is None:
-        return NoMatch(f"step {t} reads from other steps than the one before", node=last.out,
-                       step=t)
-    return NoMatch(_not_delta(*nearest), node=last.out, step=t)
+    if nearest is not None:
+        return NoMatch(_not_delta(*nearest), node=last.out, step=t)
+    return first_error or NoMatch(f"step {t} reads from other steps than the one before",
+                                  node=last.out, step=t)
 
 
 def _not_delta(step: Step, outcome: Outcome) -> str:
@@ -274,17 +288,32 @@ def _same_step(a: Step, b: Step) -> bool:
             return False
         m.update(zip(nodes, others))
     for x, y in zip(a.body, b.body):
-        if x.target != y.target or x.op != y.op:
-            return False
-        mapped = fx.node.map_arg((x.args, x.kwargs), lambda n: m.get(n, n))
-        if not _equal(mapped, (y.args, y.kwargs)):
+        if x.target != y.target or not (_same_args(x.args, y.args, m)
+                                         and _same_args(tuple(x.kwargs.items()),
+                                                        tuple(y.kwargs.items()), m)):
             return False
         m[x] = y
     return m.get(a.out) is b.out and (a.state_out is None or m.get(a.state_out) is b.state_out)
 
 
-def _equal(x, y) -> bool:
-    """Argument equality: nodes by identity (fx.Node has no __eq__), literals by value."""
+def _same_args(xs, ys, m: dict) -> bool:
+    """Arguments equal once ``m`` maps the first step's nodes to the second's: nodes by
+    identity (fx.Node has no __eq__), literals by value."""
+    if len(xs) != len(ys):
+        return False
+    for x, y in zip(xs, ys):
+        if isinstance(x, fx.Node):
+            if m.get(x, x) is not y:
+                return False
+        elif isinstance(x, (list, tuple)):
+            if not isinstance(y, (list, tuple)) or not _same_args(x, y, m):
+                return False
+        elif isinstance(y, fx.Node) or not _same_literal(x, y):
+            return False
+    return True
+
+
+def _same_literal(x, y) -> bool:
     try:
         return bool(x == y)
     except Exception:  # noqa: BLE001 (a tensor literal: not comparable, so not the same)

@@ -46,9 +46,12 @@ class TimeRead:
     keepdim: bool
 
 
+READS = (ATEN.select.int, ATEN.slice.Tensor, operator.getitem)
+
+
 def time_read(node: fx.Node) -> Optional[TimeRead]:
     """The position a node reads, when it reads one position of a tensor along one axis."""
-    if node.op != "call_function":
+    if node.op != "call_function" or node.target not in READS:
         return None
     if node.target is ATEN.select.int:
         return _read(node.args[0], node.args[1], node.args[2], False)
