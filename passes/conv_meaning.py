@@ -40,6 +40,7 @@ from torch import fx
 from gdn_fx.passes.program import ASSERT_META, add_node, dtype, fake_mode_of, shape
 from gdn_fx.passes.rebuild import Fusion, rebuild
 from gdn_fx.passes.result import Miss, NoMatch
+from gdn_fx.passes.step_meaning import Float64, evaluable
 
 NAME = "causal_conv1d_update"
 CONV_OP = torch.ops.gdn_fx.causal_conv1d_update.default
@@ -143,15 +144,6 @@ def _feeds_fused(node: fx.Node, depth: int = 3) -> bool:
     return any(u.target is CONV_OP or _feeds_fused(u, depth - 1) for u in node.users)
 
 
-def _evaluable(node: fx.Node, depth: int = 0) -> bool:
-    """A value computed from literals alone (zeros, arange, full ...)."""
-    if node.op == "get_attr":
-        return True
-    if node.op != "call_function" or depth > 8:
-        return False
-    return all(_evaluable(a, depth + 1) for a in node.all_input_nodes)
-
-
 def _forward(starts, limit: int, order: dict) -> set:
     seen, todo = set(starts), list(starts)
     while todo:
@@ -246,7 +238,7 @@ def build_region(out: fx.Node, state: fx.Node, weight: fx.Node, order: dict) -> 
     near = _forward([state, weight], limit, order)
     # a buffer made from literals (empty, zeros) that the region writes S or x into
     made = {base_of(n.args[0]) for n in near if is_mutation(n)}
-    made = [m for m in made if m not in near and _evaluable(m) and m.op == "call_function"]
+    made = [m for m in made if m not in near and evaluable(m) and m.op == "call_function"]
     if made:
         near |= _forward(made, limit, order)
     # in-place writes into S (directly or through a view) and state values handed out
@@ -269,7 +261,7 @@ def build_region(out: fx.Node, state: fx.Node, weight: fx.Node, order: dict) -> 
             if chain is not None and (bias is None or bias is chain[0]):
                 bias = chain[0]
                 nodes |= set(chain[1:])
-            elif _evaluable(arg):
+            elif evaluable(arg):
                 consts.append(arg)
             elif arg not in xs:
                 xs.append(arg)
@@ -317,18 +309,6 @@ def _width(state: fx.Node, channels: int, kernel: int) -> int:
 
 
 # --- deciding by evaluation ------------------------------------------------------------------
-
-class _Float64(fx.Interpreter):
-    def call_function(self, target, args, kwargs):
-        args = tuple(torch.float64 if a in FLOATS else a for a in args)
-        kwargs = {k: torch.float64 if v in FLOATS else v for k, v in kwargs.items()}
-        result = super().call_function(target, args, kwargs)
-        made = not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(
-            (args, kwargs)))
-        if made and isinstance(result, torch.Tensor) and result.is_floating_point():
-            result = result.double()  # a factory in the default dtype
-        return result
-
 
 def cut_out(region: Region) -> fx.GraphModule:
     """(x, S, w[, bias]) -> (out, S, exits...)."""
@@ -420,7 +400,7 @@ def decide(region: Region) -> Verdict:
             args.append(torch.rand(shape(region.bias), generator=gen, dtype=torch.float64) - .5)
         before = [a.clone() for a in args]
         try:
-            got = _Float64(module).run(*[a.clone() if i != 1 else a for i, a in enumerate(args)])
+            got = Float64(module).run(*[a.clone() if i != 1 else a for i, a in enumerate(args)])
         except Exception as error:  # noqa: BLE001 (a region that does not run is no update)
             return Verdict(region, reason=f"the region does not run on its own: {error}")
         draws.append((before, got))

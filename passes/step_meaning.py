@@ -57,7 +57,7 @@ def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.GraphModule:
             env[node] = graph.call_function(torch.unsqueeze, (read_value, g[1])) \
                 if time_read(node).keepdim else read_value
     for node in step.consts:
-        if not _evaluable(node):
+        if not evaluable(node):
             raise NoMatch(f"step {step.t} reads {node.name}, a tensor from outside the loop "
                           "that is neither the state nor read position by position",
                           node=node, step=step.t)
@@ -69,13 +69,13 @@ def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.GraphModule:
     return fx.GraphModule(step.state_in.graph.owning_module or torch.nn.Module(), graph)
 
 
-def _evaluable(node: fx.Node, depth: int = 0) -> bool:
+def evaluable(node: fx.Node, depth: int = 0) -> bool:
     """A value computed from nothing but literals and module attributes (zeros, full, ...)."""
     if node.op == "get_attr":
         return True
     if node.op != "call_function" or depth > 8:
         return False
-    return all(_evaluable(a, depth + 1) for a in node.all_input_nodes)
+    return all(evaluable(a, depth + 1) for a in node.all_input_nodes)
 
 
 def _copy_constant(graph: fx.Graph, node: fx.Node, env: dict) -> None:
@@ -85,13 +85,19 @@ def _copy_constant(graph: fx.Graph, node: fx.Node, env: dict) -> None:
     env[node] = graph.node_copy(node, lambda n: env[n])
 
 
-class _Float64(fx.Interpreter):
-    """Runs a graph with every floating dtype it names replaced by float64."""
+class Float64(fx.Interpreter):
+    """Runs a graph with every floating dtype it names replaced by float64 (the step and conv
+    rules evaluate regions so, to tell the rule's value from rounding)."""
 
     def call_function(self, target, args, kwargs):
         args = tuple(_wide(a) for a in args)
         kwargs = {k: _wide(v) for k, v in kwargs.items()}
-        return super().call_function(target, args, kwargs)
+        result = super().call_function(target, args, kwargs)
+        made = not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(
+            (args, kwargs)))
+        if made and isinstance(result, torch.Tensor) and result.is_floating_point():
+            result = result.double()  # a factory in the default dtype (zeros without dtype=)
+        return result
 
 
 def _wide(value):
@@ -122,7 +128,7 @@ def decide(step, final: Optional[fx.Node], groups: list,
     def point():
         s0 = _draw(state, gen)
         ins = [_draw(torch.empty(dims), gen) for dims in reads]
-        return s0, ins, _Float64(module).run(s0.clone(), *[x.clone() for x in ins])
+        return s0, ins, Float64(module).run(s0.clone(), *[x.clone() for x in ins])
 
     points = [point()]
     if expect is not None:  # one point: the scale must come out as the expected one
