@@ -16,31 +16,17 @@ import gdn_fx
 from gdn_fx import tract_check
 from gdn_fx.errors import GeneralizeRefused, UsageError
 from gdn_fx.generalize import fit_affine
+from spellings import fla_naive_recurrent_gdn
 
 # (S, P) never traced: decode (S = 1), a first prefill (P = 0), longer than any trace.
 UNTRACED = [(1, 0), (1, 5), (2, 3), (4, 0), (7, 11), (16, 2)]
 
 
 def naive_gdn(q, k, v, beta, g, initial_state):
-    """The gated delta rule as FLA's fla/ops/gated_delta_rule/naive.py writes it (with an
-    initial state, the final state out)."""
-    q, k, v, beta, g = map(lambda x: x.transpose(1, 2).contiguous().to(torch.float32),
-                           [q, k, v, beta, g])
-    B, H, T, K, V = *k.shape, v.shape[-1]
-    o = torch.zeros(B, H, T, V).to(v)
-    h = initial_state.to(torch.float32)
-    q = q * (1 / (q.shape[-1] ** 0.5))
-    for i in range(T):
-        b_q = q[:, :, i]
-        b_k = k[:, :, i]
-        b_v = v[:, :, i].clone()
-        h = h.clone() * g[:, :, i].exp()[..., None, None]
-        b_beta = beta[:, :, i]
-        b_v = b_v - (h.clone() * b_k[..., None]).sum(-2)
-        b_v = b_v * b_beta[..., None]
-        h = h.clone() + b_k.unsqueeze(-1) * b_v.unsqueeze(-2)
-        o[:, :, i] = torch.einsum("bhd,bhdm->bhm", b_q, h)
-    return o.transpose(1, 2).contiguous(), h
+    """The gated delta rule as FLA's fla/ops/gated_delta_rule/naive.py writes it (the
+    corpus's spelling), with an initial state and the final state out."""
+    return fla_naive_recurrent_gdn(q, k, v, beta, g, initial_state=initial_state,
+                                   output_final_state=True)
 
 
 class Hybrid(nn.Module):
