@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
                           help="the export (its X.decode.nnef.tgz is used when present)")
     generate.add_argument("--prompt-ids", required=True, help="token ids, e.g. 1,2,3")
     generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--prefill-chunk", type=int, default=None,
+                          help="feed the prompt in calls of N tokens (default: the longest "
+                          "chunk whose activations fit the L2 cache; 0: the whole prompt in "
+                          "one call)")
     generate.add_argument("--check", action="store_true",
                           help="compare every token and logit with transformers' generate on "
                           "the model named by --family / --config / --model")
@@ -143,7 +147,8 @@ def _generate(args) -> int:
     if not args.nnef.exists():
         raise UsageError(f"--nnef {args.nnef} does not exist")
     decode = decode_path(args.nnef)
-    generator = Generator(args.nnef, decode if decode.exists() else None)
+    chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
+    generator = Generator(args.nnef, decode if decode.exists() else None, prefill_chunk=chunk)
     result = generator.generate(prompt, args.max_new_tokens, progress=True)
     print("tokens: " + ",".join(map(str, result.tokens)))
     print(f"tract: {result.rates()}")

@@ -22,6 +22,9 @@ def check(args: argparse.Namespace) -> None:
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    chunk = getattr(args, "prefill_chunk", None)
+    if chunk is not None and chunk < 0:
+        raise UsageError(f"--prefill-chunk must be >= 0 (0: the whole prompt), got {chunk}")
     if getattr(args, "generalize", False) and (args.seq_len is not None or args.dynamic_seq):
         raise UsageError("--generalize writes the generation-ready artifact: it takes no "
                          "--seq-len / --dynamic-seq")

@@ -153,3 +153,9 @@ def test_the_installed_command_prints_no_traceback(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["gdn-fx: UsageError: --seq-len must be >= 1, "
                                                 "got 0"]
+
+
+def test_negative_prefill_chunk(tmp_path, capsys):
+    line = refused(capsys, ["generate", "--nnef", str(tmp_path / "m.nnef.tgz"),
+                            "--prompt-ids", "1,2", "--prefill-chunk", "-1"])
+    assert "--prefill-chunk must be >= 0" in line and "-1" in line

@@ -19,7 +19,8 @@ from gdn_fx.cli import main
 from gdn_fx.errors import ExportRefused, UnsupportedModel
 from gdn_fx.hf import tiny_model
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
-from gdn_fx.hf.generator import Generator, check_generation, decode_path, export_generator
+from gdn_fx.hf.generator import (Generator, auto_prefill_chunk, check_generation, decode_path,
+                                 export_generator)
 
 pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
 
@@ -53,6 +54,27 @@ def test_a_tied_lm_head_generates_exactly(tmp_path):
     files = export_generator(model, tmp_path / "tied.nnef.tgz")
     found = check_generation(model, Generator(files.main, files.decode).generate(_prompt(), 24))
     assert found.ok, str(found)
+
+
+def test_a_prompt_fed_in_chunks_generates_what_transformers_generates(tmp_path):
+    # 37 tokens in calls of 8 (the last one 5) and of 1 (every call a decode-graph step):
+    # the artifact carries its caches across calls, so the tokens and logits must not change.
+    model = tiny_model("qwen3_5")
+    files = export_generator(model, tmp_path / "q.nnef.tgz")
+    for chunk in (8, 1):
+        result = Generator(files.main, files.decode, prefill_chunk=chunk).generate(_prompt(), 16)
+        found = check_generation(model, result)
+        assert found.ok, f"chunks of {chunk}: {found}"
+
+
+def test_the_automatic_prefill_chunk_follows_the_widest_projection(tmp_path):
+    # Widest inner dimension from the model's own Linear layers, not from the NNEF text.
+    model = tiny_model("qwen3_5")
+    widest = max(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    files = export_generator(model, tmp_path / "q.nnef.tgz", decode=False)
+    assert auto_prefill_chunk(files.main, l2_bytes=4 * widest * 40) == 32
+    assert auto_prefill_chunk(files.main, l2_bytes=4 * widest * 3) == 16  # the floor
+    assert auto_prefill_chunk(files.main, l2_bytes=1 << 40) == 512  # the ceiling
 
 
 def test_the_artifact_declares_symbolic_lengths_and_the_contract_order(tmp_path):

@@ -246,14 +246,24 @@ class Generator:
 
     One tract State per graph is spawned once and kept across calls, as an application runs
     it; the cache travels as explicit tensors from one call's outputs to the next's inputs.
+    A prompt longer than ``prefill_chunk`` tokens is fed in calls of that many (the artifact
+    serves every S and P, so this computes the same): by default the longest chunk that keeps
+    every projection's activations within the L2 cache (:func:`prefill_chunk`); ``None`` feeds
+    the whole prompt in one call.
     """
 
-    def __init__(self, main: Union[str, Path], decode: Optional[Union[str, Path]] = None):
+    def __init__(self, main: Union[str, Path], decode: Optional[Union[str, Path]] = None,
+                 prefill_chunk: Union[int, str, None] = "auto"):
         from gdn_fx import tract_check
 
         self.main = tract_check.load(main).spawn_state()
         self.decode = tract_check.load(decode).spawn_state() if decode else self.main
         self.zero_states = _zero_states(main)
+        if prefill_chunk == "auto":
+            prefill_chunk = auto_prefill_chunk(main)
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise UsageError(f"prefill_chunk must be >= 1 (or None), got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
 
     def step(self, state, ids: np.ndarray, caches: list) -> tuple[np.ndarray, list]:
         """One call: (last-position logits [B, V], new caches)."""
@@ -263,13 +273,22 @@ class Generator:
         arrays = [t.to_numpy() for t in outputs]
         return arrays[0][:, -1], arrays[1:]
 
+    def prefill(self, ids: np.ndarray, caches: list) -> tuple[np.ndarray, list]:
+        """``ids`` [B, S] after ``caches``, in calls of at most ``prefill_chunk`` tokens."""
+        chunk = self.prefill_chunk or ids.shape[1]
+        for start in range(0, ids.shape[1], chunk):
+            piece = ids[:, start:start + chunk]
+            logits, caches = self.step(self.decode if piece.shape[1] == 1 else self.main,
+                                       piece, caches)
+        return logits, caches
+
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  progress: bool = False) -> GenerationResult:
         """Greedy continuation of ``prompt_ids`` (batch 1) by ``max_new_tokens`` tokens."""
         result = GenerationResult(list(prompt_ids))
         start = time.perf_counter()
-        logits, caches = self.step(self.main, np.array([prompt_ids], dtype=np.int64),
-                                   [z.copy() for z in self.zero_states])
+        logits, caches = self.prefill(np.array([prompt_ids], dtype=np.int64),
+                                      [z.copy() for z in self.zero_states])
         result.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         for count in range(max_new_tokens):
@@ -285,6 +304,39 @@ class Generator:
         if progress:
             print(file=sys.stderr)
         return result
+
+
+# tract 0.23.9 computes a matmul whose row count is symbolic (S) at ~150 GFLOP/s on this
+# machine while its packed activations (rows x inner dim x itemsize) fit the L2 cache, and at
+# 40-66 GFLOP/s beyond (measured: a 1024-wide product slows from 26 ms at S = 508 to 65 ms at
+# S = 511; 3584-wide between S = 140 and 146; 2 MiB of L2): docs/FACTS.md, "tract 0.23.9:
+# traps", symbolic-S matmul.
+_L2_FALLBACK = 1 << 20
+_WEIGHT = re.compile(r"label = '[^']*\.weight', shape = \[(\d+), (\d+)\]\)")
+
+
+def auto_prefill_chunk(path: Union[str, Path], l2_bytes: Optional[int] = None) -> int:
+    """The longest prompt chunk (a multiple of 16, 16 to 512) whose f32 activations, in the
+    artifact's widest projection, fit the L2 cache (this machine's, from sysfs). f16 models
+    get the same chunk (conservative: their activations take half the bytes)."""
+    from gdn_fx import tract_check
+
+    text = tract_check.nnef_text(path)
+    widths = [int(inner) for _, inner in _WEIGHT.findall(text)]  # torch Linear: [out, in]
+    rows = (l2_bytes or _l2_bytes()) // (4 * max(widths or [1]))
+    return int(min(512, max(16, rows // 16 * 16)))
+
+
+def _l2_bytes() -> int:
+    """This CPU's L2 size in bytes (Linux sysfs; 1 MiB where it cannot be read)."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "2":
+                size = (index / "size").read_text().strip().upper()
+                return int(size.rstrip("KM")) << (20 if size.endswith("M") else 10)
+        except (OSError, ValueError):
+            continue
+    return _L2_FALLBACK
 
 
 def _progress(done: int, total: int, width: int = 30) -> None:
