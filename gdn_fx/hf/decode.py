@@ -41,7 +41,8 @@ class DecodeStep(nn.Module):
     happens inside ``forward`` and is undone when it returns.
     """
 
-    def __init__(self, model: nn.Module, rule: str = "auto", last_logits: bool = False):
+    def __init__(self, model: nn.Module, rule: str = "auto", last_logits: bool = False,
+                 whole_windows: bool = False):
         super().__init__()
         if rule not in RULES:
             raise UsageError(f"rule must be one of {RULES}, got {rule!r}")
@@ -50,6 +51,9 @@ class DecodeStep(nn.Module):
         self.model = model
         self.rule = rule
         self.last_logits = last_logits  # logits of the last position only (a generator's)
+        # sliding-window layers keep every token (states.WholeWindowLayer): a generator's, so
+        # that one symbolic P serves every attention cache
+        self.whole_windows = whole_windows
         self.specs: list[StateSpec] = discover_specs(model)
         self.modeling: list[patching.ModelingModule] = patching.modeling_modules(model)
 
@@ -69,7 +73,7 @@ class DecodeStep(nn.Module):
         with patching.Patches(swaps):
             linear_class = patching.DeferringLinearAttentionLayer if self._can_defer() else None
             cache = build_cache(self.model.config, self.specs, [s.clone() for s in states],
-                                linear_class=linear_class)
+                                linear_class=linear_class, whole_windows=self.whole_windows)
             try:
                 keep = {"logits_to_keep": 1} if self.last_logits else {}
                 logits = compat.run(self.model, cache, input_ids=input_ids, **keep).logits

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from gdn_fx.errors import DTypeError, ShapeError, UnsupportedModel
 from gdn_fx.hf import compat
@@ -142,21 +143,37 @@ def _fill_attention(layer, spec: StateSpec, tensor: Tensor) -> None:
         layer._sliding_window_tensor = layer._sliding_window_tensor.to(tensor.device)
 
 
+class WholeWindowLayer(DynamicLayer):
+    """A sliding-window attention cache layer that keeps every token.
+
+    transformers' sliding layer keeps the last ``window - 1`` tokens, so the size it returns
+    depends on whether the window is full (a branch on P that no symbolic P survives). This
+    one keeps them all and lets the sliding mask alone hide what lies outside the window:
+    the same attention, a cache that grows like a full-attention layer's.
+    """
+
+    is_sliding = True  # masking_utils sizes the sliding mask from the first sliding layer
+
+
 def build_cache(config, specs: Sequence[StateSpec], tensors: Sequence[Tensor],
-                linear_class: Optional[type] = None) -> DynamicCache:
+                linear_class: Optional[type] = None,
+                whole_windows: bool = False) -> DynamicCache:
     """A fresh ``DynamicCache(config=...)`` holding ``tensors`` (used as given, not copied).
 
     ``linear_class`` (a LinearAttentionLayer subclass) replaces the plain linear-attention
-    cache layers, e.g. to change how they update conv states.
+    cache layers, e.g. to change how they update conv states. ``whole_windows`` replaces
+    the sliding-window layers by :class:`WholeWindowLayer`.
     """
     if len(tensors) != len(specs):
         raise ShapeError(f"expected {len(specs)} state tensors "
                          f"({', '.join(s.name for s in specs)}), got {len(tensors)}")
     cache = DynamicCache(config=config)
-    if linear_class is not None:
-        for index, layer in enumerate(cache.layers):
-            if type(layer) is compat.LINEAR_LAYER:
-                cache.layers[index] = linear_class(number_of_states=layer.number_of_states)
+    for index, layer in enumerate(cache.layers):
+        if linear_class is not None and type(layer) is compat.LINEAR_LAYER:
+            cache.layers[index] = linear_class(number_of_states=layer.number_of_states)
+        elif whole_windows and compat.SLIDING_LAYER is not None and isinstance(
+                layer, compat.SLIDING_LAYER):
+            cache.layers[index] = WholeWindowLayer()
     for spec, tensor in zip(specs, tensors):
         layer = cache.layers[spec.layer]
         if spec.kind in ("conv", "recurrent"):

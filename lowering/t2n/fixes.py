@@ -221,11 +221,15 @@ def _sdpa_mask(node: fx.Node):
 
 @_recompiles
 def float_attention_masks(module: fx.GraphModule) -> int:
-    """Turn boolean SDPA masks into additive float masks (0 / -inf) in the query's dtype.
+    """Turn boolean SDPA masks into additive float masks (0 / the dtype's lowest) in the
+    query's dtype.
 
     tract 0.23.9 compiles scaled_dot_product_attention into its flash kernel, which refuses a
     boolean mask ("Mask must be floating point") at into_runnable(); transformers passes
-    boolean masks. The additive mask means the same.
+    boolean masks. The additive mask means the same for every row that sees a key (causal and
+    sliding masks: each row sees itself). The lowest finite value, not -inf: with -inf the
+    flash kernel returns NaN for a row whose first block of keys is all masked (a sliding
+    window 160 tokens into a prefill, seen on lara_mini); transformers' eager masks use it too.
     """
     count = 0
     for node in list(module.graph.nodes):
@@ -234,8 +238,8 @@ def float_attention_masks(module: fx.GraphModule) -> int:
             continue
         query_dtype = _val(node.args[0]).dtype
         with module.graph.inserting_before(node):
-            additive = module.graph.call_function(aten.where.Scalar,
-                                                  (mask, 0.0, float("-inf")))
+            lowest = torch.finfo(query_dtype).min
+            additive = module.graph.call_function(aten.where.Scalar, (mask, 0.0, lowest))
             additive = module.graph.call_function(aten._to_copy.default, (additive,),
                                                   {"dtype": query_dtype})
         additive.meta["val"] = torch.empty_like(_val(mask), dtype=query_dtype)
