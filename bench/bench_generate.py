@@ -55,7 +55,8 @@ def build(shape: dict, dtype: str = "float32"):
 # --- what each subprocess runs ------------------------------------------------------------
 
 def run_tract(main: str, decode: str) -> dict:
-    """Load the artifact, prefill PREFILL tokens, decode DECODE_STEPS after PAST tokens."""
+    """Load the artifact, prefill PREFILL tokens (in the Generator's automatic chunks, and in
+    one call), decode DECODE_STEPS after PAST tokens."""
     import numpy as np
 
     from gdn_fx.hf.generator import Generator
@@ -64,19 +65,23 @@ def run_tract(main: str, decode: str) -> dict:
     gen = Generator(main, decode or None)
     load = time.perf_counter() - start
     ids = np.arange(3, 3 + PREFILL, dtype=np.int64)[None] % 1000 + 3
-    zeros = [z.copy() for z in gen.zero_states]
-    prefill = []
-    for _ in range(2):
-        start = time.perf_counter()
-        logits, caches = gen.step(gen.main, ids, zeros)
-        prefill.append(time.perf_counter() - start)
+    chunk = gen.prefill_chunk
+    timed = {}
+    for name, size in (("prefill_whole", None), ("prefill", chunk)):
+        gen.prefill_chunk = size
+        runs = []
+        for _ in range(2):
+            start = time.perf_counter()
+            logits, caches = gen.prefill(ids, [z.copy() for z in gen.zero_states])
+            runs.append(time.perf_counter() - start)
+        timed[name] = min(runs)
     steps = []
     for _ in range(DECODE_STEPS):  # continuing from the PAST-token prefill above
         token = np.array([[int(logits[0].argmax())]], dtype=np.int64)
         start = time.perf_counter()
         logits, caches = gen.step(gen.decode, token, caches)
         steps.append(time.perf_counter() - start)
-    return dict(load=load, prefill=min(prefill), decode=statistics.median(steps[1:]))
+    return dict(load=load, decode=statistics.median(steps[1:]), chunk=chunk, **timed)
 
 
 def run_torch(shape: dict) -> dict:
@@ -169,8 +174,8 @@ def main(argv=None) -> None:
     rounds = common.rounds_for(args, full=2, quick=1)
     folder = Path(args.workdir or tempfile.mkdtemp(prefix="gdn_fx_gen_"))
     artifacts, notes = {}, []
-    for fmt in args.formats:
-        artifacts[fmt] = _export(shape, fmt, folder)
+    for fmt in args.formats:  # each export in its own process: its memory is returned after
+        artifacts[fmt] = _child("export_format", shape, fmt, str(folder))
         notes.append(f"{fmt}: decode graph "
                      f"{'written' if artifacts[fmt]['decode'] else 'none'}")
     measured = {f"gdn-fx artifact in tract ({fmt})": [] for fmt in artifacts}
@@ -181,37 +186,51 @@ def main(argv=None) -> None:
                 _child("run_tract", art["main"], art["decode"]))
         measured["torch eager (f32)"].append(_child("run_torch", shape))
     bw, peak = bandwidth(), tract_matmul_peak(folder)
-    flops = artifacts[args.formats[0]]["flops_per_token"] * PREFILL
-    rows = []
-    for name, runs in measured.items():
-        fmt = next((f for f in artifacts if f"({f})" in name and "tract" in name), None)
-        art = artifacts.get(fmt, {})
-        weights = art["weight_bytes"] if art else artifacts[args.formats[0]]["params"] * 4
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        rows.append([name, common.ms(med["decode"]), common.ratio(med["decode"] * bw / weights),
-                     common.ms(med["prefill"]), common.ratio(med["prefill"] * peak / flops),
-                     f"{art['export']:.0f} s" if art else "-",
-                     common.human_bytes(art["nnef"]) if art else "-",
-                     f"{med['load']:.1f} s" if art else "-",
-                     common.human_bytes(int(med["peak_rss"]))])
     first = artifacts[args.formats[0]]
+    flops = first["flops_per_token"] * PREFILL
+    rows = [_row(name, runs, artifacts, first, bw, peak, flops)
+            for name, runs in measured.items()]
+    chunks = sorted({r["chunk"] for runs in measured.values() for r in runs if "chunk" in r})
     common.emit(common.header(
         "Whole-model generation: gdn-fx artifact in tract vs torch eager",
         f"Qwen3.5-shaped model ({sum(1 for t in shape['layer_types'] if t == LIN)} GDN + "
         f"{sum(1 for t in shape['layer_types'] if t == FULL)} attention layers, hidden "
         f"{shape['hidden_size']}, vocab {shape['vocab_size']}, {first['params'] / 1e6:.0f} M "
         f"params, tied, random weights), one thread; decode = median ms per token after "
-        f"{PAST} cached tokens; prefill = {PREFILL} tokens from an empty cache; each engine in "
-        f"its own process, {rounds} round(s); floors per row: the row's weight bytes / memory "
-        "bandwidth (decode), matmul FLOPs / tract's matmul peak (prefill)"))
+        f"{PAST} cached tokens; prefill = {PREFILL} tokens from an empty cache, in the "
+        f"Generator's automatic chunks ({', '.join(map(str, chunks))} tokens) and in one "
+        f"call; each engine in its own process, {rounds} round(s); floors per row: the row's "
+        "weight bytes / memory bandwidth (decode), matmul FLOPs / tract's matmul peak "
+        "(prefill)"))
     common.emit(common.markdown(
         ["path", "decode ms/token", "/ floor", f"prefill ms (S={PREFILL})", "/ floor",
-         "export", "NNEF (both graphs)", "load", "peak RSS"], rows))
+         "prefill in one call", "export", "NNEF (both graphs)", "load", "peak RSS"], rows))
     common.emit(f"\nFloors measured in this run: memory bandwidth {bw / 1e9:.1f} GB/s (one thread; "
                 f"f32 weights {first['params'] * 4 / 1e9:.2f} GB: decode floor "
                 f"{first['params'] * 4 / bw * 1e3:.0f} ms), tract's matmul "
                 f"{peak / 1e9:.1f} GFLOP/s (prefill floor {flops / peak * 1e3:.0f} ms). "
                 f"{'; '.join(notes)}.\n")
+
+
+def _row(name: str, runs: list, artifacts: dict, first: dict, bw: float, peak: float,
+         flops: float) -> list:
+    """One table row: medians over rounds, ratios to the row's floors."""
+    fmt = next((f for f in artifacts if f"({f})" in name and "tract" in name), None)
+    art = artifacts.get(fmt, {})
+    weights = art["weight_bytes"] if art else first["params"] * 4
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return [name, common.ms(med["decode"]), common.ratio(med["decode"] * bw / weights),
+            common.ms(med["prefill"]), common.ratio(med["prefill"] * peak / flops),
+            common.ms(med["prefill_whole"]) if "prefill_whole" in med else "-",
+            f"{art['export']:.0f} s" if art else "-",
+            common.human_bytes(art["nnef"]) if art else "-",
+            f"{med['load']:.1f} s" if art else "-",
+            common.human_bytes(int(med["peak_rss"]))]
+
+
+def export_format(shape: dict, fmt: str, folder: str) -> dict:
+    """``_export`` in a child process (bench/bench_generate.py runs each export alone)."""
+    return _export(shape, fmt, Path(folder))
 
 
 def _export(shape: dict, fmt: str, folder: Path) -> dict:

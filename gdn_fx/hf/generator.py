@@ -316,15 +316,18 @@ _WEIGHT = re.compile(r"label = '[^']*\.weight', shape = \[(\d+), (\d+)\]\)")
 
 
 def auto_prefill_chunk(path: Union[str, Path], l2_bytes: Optional[int] = None) -> int:
-    """The longest prompt chunk (a multiple of 16, 16 to 512) whose f32 activations, in the
-    artifact's widest projection, fit the L2 cache (this machine's, from sysfs). f16 models
-    get the same chunk (conservative: their activations take half the bytes)."""
+    """The longest prompt chunk whose f32 activations, in the artifact's widest projection,
+    fit the L2 cache (this machine's, from sysfs): a multiple of the chunked delta-rule scan's
+    step (64 tokens: a call's S is padded to it), or of 16 below one step; 16 to 512. f16
+    models get the same chunk (conservative: their activations take half the bytes)."""
     from gdn_fx import tract_check
+    from gdn_fx.lowering.gdn_chunked import SCAN_CHUNK, SCAN_CHUNKS_PER_STEP
 
     text = tract_check.nnef_text(path)
     widths = [int(inner) for _, inner in _WEIGHT.findall(text)]  # torch Linear: [out, in]
     rows = (l2_bytes or _l2_bytes()) // (4 * max(widths or [1]))
-    return int(min(512, max(16, rows // 16 * 16)))
+    step = SCAN_CHUNK * SCAN_CHUNKS_PER_STEP if rows >= SCAN_CHUNK * SCAN_CHUNKS_PER_STEP else 16
+    return int(min(512, max(16, rows // step * step)))
 
 
 def _l2_bytes() -> int:
