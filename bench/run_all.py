@@ -29,6 +29,7 @@ SCRIPTS = (
     ("nnef", "bench_nnef.py"),
     ("tract", "bench_tract.py"),
     ("conv", "bench_conv.py"),
+    ("moe", "bench_moe.py"),
     ("gdn_fast", "bench_gdn_fast.py"),
     ("generate", "bench_generate.py"),
 )

@@ -25,6 +25,7 @@ from gdn_fx.lowering.t2n import program as prog
 from gdn_fx.lowering.t2n.bridge import to_bridge
 from gdn_fx.lowering.t2n.dynamic_axes import frozen_axes, refuse_frozen_axes
 from gdn_fx.lowering.t2n.fixes import apply_fixes
+from gdn_fx.lowering.t2n.moe_ffn import FUSED, fuse_moe_blocks, split_choice
 from gdn_fx.lowering.t2n.offline_target import offline_tract_target
 from gdn_fx.lowering.t2n.unused_inputs import (declare_unused, drop_unused, rewrite_graph_file,
                                                unused_inputs)
@@ -51,6 +52,9 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
     # and its static sizes then stay what they are (a decode graph's S = 1 beside a symbolic P).
     target = Target.parse(tract_version, dynamic=bool(frozen_axes(module, dynamic_axes, names)))
     prog.refuse_bfloat16(module)
+    moe, choose = split_choice(choose)  # choose["transformers_moe"], not a table entry
+    if moe == FUSED:  # before the fixes: what is left of a block becomes plain ops (moe.py)
+        fuse_moe_blocks(module, target)
     apply_fixes(module)
     if dynamic_axes:
         refuse_frozen_axes(module, dynamic_axes, names)

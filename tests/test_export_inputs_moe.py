@@ -29,17 +29,23 @@ def test_histc_by_comparison_counts_like_histc():
     assert torch.equal(histc_by_comparison(y, 7, 0.5, 9.0), torch.histc(y, 7, 0.5, 9.0))
 
 
+@pytest.mark.parametrize("moe", [None, "gathered_bmm"])
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
-def test_plain_moe_decode_step_reaches_tract(tmp_path, family):
+def test_plain_moe_decode_step_reaches_tract(tmp_path, family, moe):
     """torch.export -> collapse -> export_nnef -> tract, nothing else, with transformers'
-    default experts kernel (grouped_mm, its custom op in the graph)."""
+    default experts kernel (grouped_mm, its custom op in the graph): by default every routed
+    block becomes one tract_moe_ffn; forced, the gather + bmm spelling."""
     step = DecodeStep(tiny_model(family))
     args = step.example_inputs(seq_len=1)
     result = gdn_fx.collapse(torch.export.export(step, args))
     assert sum(result.counts.values()) > 0
-    assert any("grouped_mm_fallback" in str(n.target) for n in result.program.graph.nodes)
-    path = gdn_fx.export_nnef(result.program, tmp_path / "moe.nnef.tgz",
+    grouped = [n for n in result.program.graph.nodes if "grouped_mm_fallback" in str(n.target)]
+    assert grouped
+    choose = None if moe is None else {"transformers_moe": moe}
+    path = gdn_fx.export_nnef(result.program, tmp_path / "moe.nnef.tgz", choose=choose,
                               input_names=step.input_names, output_names=step.output_names)
+    blocks = len(grouped) // 2  # two products per block
+    assert tract_check.nnef_text(path).count("tract_moe_ffn(") == (blocks if moe is None else 0)
     found = tract_check.compare(path, step.eager(*args), args)
     assert found.ok, found
 
@@ -78,3 +84,129 @@ def test_unused_input_nothing_printed(tmp_path, capfd):
     args = (torch.randn(2, 32), torch.randn(3), torch.randn(2, 32))
     gdn_fx.export_nnef(torch.export.export(Ignores(), args), tmp_path / "m.nnef.tgz")
     assert "PyTorch JIT Graph" not in capfd.readouterr().out
+
+
+# --- tract_moe_ffn (lowering/t2n/moe_ffn.py) ---------------------------------------------------
+
+def _block(family: str, act: str = "silu", norm_topk: bool = True, seed: int = 0):
+    """A transformers sparse MoE block with its default (grouped_mm) kernel, random weights."""
+    import transformers
+
+    config_class, module = {
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "qwen3_5_moe.modeling_qwen3_5_moe"),
+        "qwen3_next": ("Qwen3NextConfig", "qwen3_next.modeling_qwen3_next")}[family]
+    extra = {} if family == "qwen3_5_moe" else {"norm_topk_prob": norm_topk}
+    config = getattr(transformers, config_class)(
+        hidden_size=64, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, hidden_act=act, **extra)
+    config._experts_implementation = "grouped_mm"
+    block_class = {"qwen3_5_moe": "Qwen3_5MoeSparseMoeBlock",
+                   "qwen3_next": "Qwen3NextSparseMoeBlock"}[family]
+    modeling = __import__(f"transformers.models.{module}", fromlist=[block_class])
+    torch.manual_seed(seed)
+    block = getattr(modeling, block_class)(config).eval()
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(0.0, 0.2)
+    return block
+
+
+def _routed_weights(block):
+    """tract's canonical layout from transformers' storage: w1/w3 [E, D, H], w2 [E, H, D]."""
+    gate_up = block.experts.gate_up_proj.detach()  # [E, 2H, D], gate rows first
+    half = gate_up.shape[1] // 2
+    return (block.gate.weight.detach(), gate_up[:, :half].transpose(1, 2),
+            block.experts.down_proj.detach().transpose(1, 2), gate_up[:, half:].transpose(1, 2))
+
+
+@pytest.mark.parametrize("family, norm_topk, gate", [
+    ("qwen3_5_moe", True, "softmax_topk"), ("qwen3_next", True, "softmax_topk"),
+    ("qwen3_next", False, "softmax_all")])
+def test_moe_ffn_reference_is_transformers_routed_experts(family, norm_topk, gate):
+    """The reading tract_moe_ffn is checked against equals transformers' own router and
+    experts (their eager loop over experts), for both gate modes."""
+    from gdn_fx.lowering.t2n.moe_ffn import moe_ffn_reference
+
+    block = _block(family, norm_topk=norm_topk)
+    tokens = torch.randn(9, 64)
+    with torch.no_grad():
+        _, scores, chosen = block.gate(tokens)
+        want = block.experts(tokens, chosen, scores)
+    wg, w1, w2, w3 = _routed_weights(block)
+    got = moe_ffn_reference(tokens, wg, w1, w2, w3, 3, gate)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    other = "softmax_all" if gate == "softmax_topk" else "softmax_topk"
+    assert not torch.allclose(moe_ffn_reference(tokens, wg, w1, w2, w3, 3, other), want,
+                              rtol=1e-3, atol=1e-4)
+
+
+def _kept_state_runs(path, args, times: int = 3) -> list:
+    """The first output of ``times`` runs of ONE tract State (as an application keeps it)."""
+    import tract
+
+    state = tract_check.load(path).spawn_state()
+    tensors = [tract.Tensor.from_numpy(a.numpy()) for a in args]
+    return [state.run(tensors)[0].to_numpy() for _ in range(times)]
+
+
+@pytest.mark.parametrize("seq", [1, 6])
+@pytest.mark.parametrize("family, norm_topk", [("qwen3_5_moe", True), ("qwen3_next", False)])
+def test_moe_block_becomes_tract_moe_ffn(tmp_path, family, norm_topk, seq):
+    """A plain export of the block: the routed part is one tract_moe_ffn (its gate mode read
+    off the router), the shared expert stays plain ops; tract equals eager, and a kept State
+    answers the same on every run."""
+    block = _block(family, norm_topk=norm_topk)
+    args = (torch.randn(1, seq, 64),)
+    with torch.no_grad():
+        want = block(*args)
+    path = gdn_fx.export_nnef(torch.export.export(block, args), tmp_path / "b.nnef.tgz")
+    text = tract_check.nnef_text(path)
+    gate = "softmax_topk" if norm_topk else "softmax_all"
+    assert text.count("tract_moe_ffn(") == 1 and f"gate = '{gate}'" in text and "k = 3" in text
+    assert "tract_core_gather" not in text.split("tract_moe_ffn(")[0].split("graph ")[-1]
+    found = tract_check.compare(path, [want], args)
+    assert found.ok, found
+    for got in _kept_state_runs(path, args):
+        assert np.allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_gathered_moe_is_right_on_a_kept_state(tmp_path):
+    """The plain-op spelling on a State run three times: torch-to-nnef's cumsum (a
+    tract_core_scan that keeps its sum between runs) made the offsets, and every routed row,
+    wrong from the second run on; the offsets are now a masked sum."""
+    block = _block("qwen3_5_moe")
+    args = (torch.randn(1, 5, 64),)
+    with torch.no_grad():
+        want = block(*args).numpy()
+    path = gdn_fx.export_nnef(torch.export.export(block, args), tmp_path / "g.nnef.tgz",
+                              choose={"transformers_moe": "gathered_bmm"})
+    assert "tract_moe_ffn(" not in tract_check.nnef_text(path)
+    for got in _kept_state_runs(path, args):
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_block_with_another_activation_stays_plain(tmp_path, caplog):
+    """tract_moe_ffn's SwiGLU is SiLU-gated: a GELU-gated block does not prove itself, is
+    left to the gather + bmm spelling (the log says why), and is still right in tract."""
+    block = _block("qwen3_5_moe", act="gelu")
+    args = (torch.randn(1, 4, 64),)
+    with torch.no_grad():
+        want = block(*args)
+    with caplog.at_level("INFO", logger="gdn_fx.lowering"):
+        path = gdn_fx.export_nnef(torch.export.export(block, args), tmp_path / "a.nnef.tgz")
+    assert "tract_moe_ffn(" not in tract_check.nnef_text(path)
+    assert "left as plain ops: no reading of the block" in caplog.text
+    assert tract_check.compare(path, [want], args).ok
+
+
+def test_moe_choice_is_checked_and_needs_tract_0_23_9():
+    from gdn_fx.errors import UsageError
+    from gdn_fx.lowering.t2n.moe_ffn import fusion_refused, split_choice
+    from gdn_fx.lowering.target import Target
+
+    assert split_choice({"transformers_moe": "gathered_bmm", "*": "scan"}) == \
+        ("gathered_bmm", {"*": "scan"})
+    with pytest.raises(UsageError, match="transformers_moe"):
+        split_choice({"transformers_moe": "fast"})
+    assert "first in 0.23.9" in fusion_refused(Target.parse("0.23.8"))
+    assert fusion_refused(Target.parse("0.23.9")) is None

@@ -15,14 +15,19 @@ no longer required):
   kernel does; rows at or past ``offs[-1]`` (which the fallback leaves zero) read a zero
   expert appended to the weights.
 - ``histc`` with explicit bounds: compare each element's bin index with every bin and sum.
+- the ``cumsum`` that turns those counts into offsets: a sum under a triangular mask
+  (:func:`cumsum_by_mask` says why).
 
-Why not tract's ``tract_moe_ffn`` (torch-to-nnef's MoE extractor): the extractor lowers a
-whole transformers MoE ``nn.Module``; an exported program has no modules left, so using it
-would mean matching the whole routed block (router, top-k, sort, both products, the weighted
-sum) in the graph. The gather + bmm spelling is what the ``batched_mm`` kernel computes.
+By default a routed block that proves itself becomes ONE ``tract_moe_ffn`` before these
+fixes run (``moe_ffn.py``; 7x to 200x faster in tract, bench/bench_moe.py): what is left here is
+a block that did not prove itself, one on a tract before 0.23.9, or every block under
+``choose={"transformers_moe": "gathered_bmm"}``. The gather spelling copies one expert weight
+matrix per (token, expert) row: ~6 GiB at S = 64 for a Qwen3.5-MoE-sized layer.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -69,6 +74,34 @@ def histc_by_comparison(x: torch.Tensor, bins: int = 100, min: float = 0.0,
     return hits.to(x.dtype).sum(dim=0)
 
 
+def cumsum_by_mask(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None
+                   ) -> torch.Tensor:
+    """``torch.cumsum(x, dim, dtype=dtype)`` as a sum under a lower-triangular mask.
+
+    Why: torch-to-nnef 0.24.12 writes ``cumsum`` as its ``tract_cumsum`` fragment, a
+    ``tract_core_scan`` with ``reset_every_turn = false``; a tract State that is run again
+    then starts from the last run's sum (docs/FACTS.md, "tract 0.23.9: traps"), and the
+    experts' offsets, hence every routed row, come out wrong from the second run on. The
+    offsets run over the expert count only, so the n x n mask is small."""
+    moved = x.movedim(dim, -1)
+    size = moved.shape[-1]
+    index = torch.arange(size, device=x.device)
+    below = (index.unsqueeze(0) <= index.unsqueeze(1)).to(moved.dtype)  # [out, in]: in <= out
+    summed = (moved.unsqueeze(-2) * below).sum(dim=-1).movedim(-1, dim)
+    return summed.to(dtype) if dtype is not None else summed
+
+
+def _offsets_without_scan(grouped: fx.Node) -> int:
+    """Point the cumsum that makes a grouped_mm's offsets at :func:`cumsum_by_mask`."""
+    offsets = grouped.args[2]
+    if not isinstance(offsets, fx.Node) or offsets.target is not aten.cumsum.default:
+        return 0
+    dim = offsets.args[1] if len(offsets.args) > 1 else offsets.kwargs["dim"]
+    offsets.target = cumsum_by_mask
+    offsets.args, offsets.kwargs = (offsets.args[0], dim, offsets.kwargs.get("dtype")), {}
+    return 1
+
+
 def _histc_bounds(node: fx.Node) -> tuple:
     names = ("bins", "min", "max")
     defaults = (100, 0.0, 0.0)
@@ -85,8 +118,8 @@ def grouped_mm_as_plain_ops(module: fx.GraphModule) -> int:
     count = 0
     for node in module.graph.nodes:
         if grouped is not None and node.target is grouped:
+            count += 1 + _offsets_without_scan(node)
             node.target = grouped_mm_as_gathered_bmm
-            count += 1
         elif node.target is aten.histc.default:
             bins, low, high = _histc_bounds(node)
             if not low < high:

@@ -1,0 +1,392 @@
+"""transformers' routed MoE block as one ``tract_moe_ffn`` (tract 0.23.9's fused MoE operator).
+
+What tract computes (tract's ``transformers/src/ops/moe_ffn.rs``; spelling checked against
+tract 0.23.9's Python package): ``tract_moe_ffn(x, wg, w1, w2, w3, k = K, activation =
+'swiglu', gate = G)`` with x ``[T, D]`` (or ``[B, S, D]``), the router ``wg [E, D]``, and in its
+canonical layout the experts ``w1, w3 [E, D, H]`` and ``w2 [E, H, D]``:
+
+    logits = x @ wg^T; each token takes the K experts of largest logit;
+    gate "softmax_topk": softmax over those K logits; "softmax_all": softmax over all E logits,
+    read at the K chosen (no renormalization);
+    y = sum over the K experts e of gate_e * ((silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]).
+
+That is Qwen3.5-MoE's / Qwen3-Next's routed experts (their shared expert stays outside, as
+plain ops). torch-to-nnef's own extractor emits the op from the MoE ``nn.Module``, which an
+exported program no longer has, so the block is found in the graph here instead: by structure
+(two ``transformers::grouped_mm_fallback`` nodes sharing their offsets, the ``topk`` they are
+routed by, the tensor both the router and the experts read), and proven by running (the
+program's own nodes and :func:`moe_ffn_reference` on random tokens must agree; a block that
+does not, e.g. another activation or a router bias, is left to the plain-op spelling of
+``moe.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Optional
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from gdn_fx.errors import UsageError
+
+LOG = logging.getLogger("gdn_fx.lowering")
+
+MOE_BRIDGE = "gdn_fx_moe_ffn"
+OP = "tract_moe_ffn"
+MIN_VERSION = "0.23.9"
+GATES = ("softmax_topk", "softmax_all")
+
+# The lowering choice for transformers' routed MoE blocks (``choose={"transformers_moe": ...}``).
+CHOICE_KEY = "transformers_moe"
+FUSED, PLAIN = "tract_moe_ffn", "gathered_bmm"
+DEFAULT = FUSED  # faster at every size measured (bench/bench_moe.py, README "Benchmarks")
+
+# Validation: random tokens, compared at these relative bounds (as the passes' validation).
+TRIALS = 3
+BOUNDS = {torch.float32: 1e-4, torch.float16: 5e-3}
+
+
+# --- what the operator computes -------------------------------------------------------------
+
+def _gate_weights(logits: Tensor, k: int, gate: str) -> tuple[Tensor, Tensor]:
+    """(weights [T, k], experts [T, k]) as tract's router picks them (largest logits)."""
+    top, experts = torch.topk(logits, k, dim=-1)
+    if gate == "softmax_topk":
+        return torch.softmax(top, dim=-1), experts
+    return torch.softmax(logits, dim=-1).gather(-1, experts), experts
+
+
+def moe_ffn_reference(x: Tensor, wg: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, k: int,
+                      gate: str) -> Tensor:
+    """What ``tract_moe_ffn`` computes (module doc), in f32, returned in x's dtype."""
+    tokens = x.reshape(-1, x.shape[-1]).float()
+    logits = torch.nn.functional.linear(tokens, wg.float())
+    weights, experts = _gate_weights(logits, k, gate)
+    out = torch.zeros_like(tokens)
+    for e in torch.unique(experts).tolist():  # only the experts some token chose
+        token, slot = torch.nonzero(experts == e, as_tuple=True)
+        rows = tokens[token]
+        hidden = torch.nn.functional.silu(rows @ w1[e].float()) * (rows @ w3[e].float())
+        out.index_add_(0, token, (hidden @ w2[e].float()) * weights[token, slot, None])
+    return out.reshape(x.shape).to(x.dtype)
+
+
+@torch.library.custom_op(f"t2n_extra::{MOE_BRIDGE}", mutates_args=())
+def moe_ffn_bridge(x: Tensor, wg: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, k: int,
+                   gate: str) -> Tensor:
+    """A routed MoE block that torch-to-nnef writes as ``tract_moe_ffn`` (handler below)."""
+    return moe_ffn_reference(x, wg, w1, w2, w3, k, gate)
+
+
+@moe_ffn_bridge.register_fake
+def _(x, wg, w1, w2, w3, k, gate):
+    return torch.empty_like(x)
+
+
+# --- the lowering choice ----------------------------------------------------------------------
+
+def split_choice(choose: Optional[Mapping]) -> tuple[str, Optional[Mapping]]:
+    """(MoE lowering, the rest of ``choose`` for the lowering table)."""
+    if not isinstance(choose, Mapping) or CHOICE_KEY not in choose:
+        return DEFAULT, choose
+    value = choose[CHOICE_KEY]
+    if value not in (FUSED, PLAIN):
+        raise UsageError(f"choose[{CHOICE_KEY!r}] must be {FUSED!r} or {PLAIN!r}, got {value!r}")
+    rest = {key: v for key, v in choose.items() if key != CHOICE_KEY}
+    return value, rest
+
+
+def fusion_refused(target) -> Optional[str]:
+    """Why this target cannot take ``tract_moe_ffn`` (None: it can)."""
+    if not target.at_least(MIN_VERSION):
+        return f"tract {target.version_text} has no {OP} (first in {MIN_VERSION})"
+    if getattr(target, "runtime", "cpu") != "cpu":
+        return f"{OP} measured on tract's CPU runtime only"
+    return None
+
+
+# --- finding the block by structure -----------------------------------------------------------
+
+def _grouped_mm_op():
+    namespace = getattr(torch.ops, "transformers", None)
+    try:
+        return namespace.grouped_mm_fallback.default if namespace is not None else None
+    except (AttributeError, RuntimeError):  # torch.ops raises on unknown names
+        return None
+
+
+def _inputs(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def _ancestors(node: fx.Node, stop: frozenset = frozenset()) -> set[fx.Node]:
+    """Every node ``node`` reads, transitively, not walking past the nodes in ``stop``."""
+    seen, todo = set(), [node]
+    while todo:
+        for parent in _inputs(todo.pop()):
+            if parent not in seen:
+                seen.add(parent)
+                if parent not in stop:
+                    todo.append(parent)
+    return seen
+
+
+def _constant_only(node: fx.Node, cache: dict) -> bool:
+    """Whether ``node`` is computed from parameters and buffers alone (no program input)."""
+    if node not in cache:
+        if node.op == "placeholder":
+            cache[node] = False
+        elif node.op == "get_attr":
+            cache[node] = True
+        else:
+            cache[node] = all(_constant_only(p, cache) for p in _inputs(node))
+    return cache[node]
+
+
+def _val(node: fx.Node):
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _static_shape(value) -> Optional[tuple]:
+    shape = tuple(value.shape)
+    return shape if all(isinstance(d, int) for d in shape) else None
+
+
+class Block:
+    """One routed MoE block found by structure: what a fusion candidate is tried from."""
+
+    def __init__(self, up: fx.Node, down: fx.Node, topk: fx.Node, x: fx.Node):
+        self.up, self.down, self.topk, self.x = up, down, topk, x
+
+    @property
+    def k(self) -> int:
+        return int(self.topk.args[1])
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def _pairs(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """(up, down): the two grouped_mm nodes that share one offsets tensor, down reading up."""
+    op = _grouped_mm_op()
+    by_offsets: dict = {}
+    for node in graph.nodes:
+        if op is not None and node.target is op:
+            by_offsets.setdefault(node.args[2], []).append(node)
+    return [(up, down) for up, down in (v for v in by_offsets.values() if len(v) == 2)
+            if down in _descendants(up)]
+
+
+def _router_topk(offsets: fx.Node) -> Optional[fx.Node]:
+    """The latest ``topk`` the offsets derive from (earlier ones route earlier layers)."""
+    order = {n: i for i, n in enumerate(offsets.graph.nodes)}
+    found = [n for n in _ancestors(offsets) if n.target is torch.ops.aten.topk.default]
+    return max(found, key=order.__getitem__) if found else None
+
+
+def _token_candidates(up: fx.Node, topk: fx.Node) -> list[fx.Node]:
+    """2-D float nodes of the experts' input width that both the router and the experts
+    read, latest first: the block's tokens are the latest that everything else derives from
+    (a reshape the router alone reads is not)."""
+    width = _val(up.args[1]).shape[-2] if _val(up.args[1]) is not None else None
+    common = _ancestors(topk) & _ancestors(up.args[0]) | ({up.args[0]} & _ancestors(topk))
+    order = {n: i for i, n in enumerate(up.graph.nodes)}
+    shaped = [n for n in common if _val(n) is not None and _val(n).dim() == 2
+              and _val(n).is_floating_point() and _val(n).shape[-1] == width
+              and _static_shape(_val(n)) is not None]
+    return sorted(shaped, key=order.__getitem__, reverse=True)
+
+
+def find_blocks(graph: fx.Graph) -> list[Block]:
+    """Every routed block whose parts are where the structure says (not yet proven)."""
+    blocks = []
+    for up, down in _pairs(graph):
+        topk = _router_topk(up.args[2])
+        for x in _token_candidates(up, topk) if topk is not None else []:
+            block = Block(up, down, topk, x)
+            if _outputs_after(block):
+                blocks.append(block)
+                break
+    return blocks
+
+
+# --- proving a block by running it ------------------------------------------------------------
+
+def _subgraph(module: fx.GraphModule, outputs: list, x: Optional[fx.Node]) -> fx.GraphModule:
+    """A module computing ``outputs`` from ``x`` (a placeholder) and the module's attributes."""
+    stop = frozenset({x}) if x is not None else frozenset()
+    needed = set(outputs).union(*(_ancestors(o, stop) for o in outputs)) - stop
+    graph, env = fx.Graph(), {}
+    if x is not None:
+        env[x] = graph.placeholder("x")
+    for node in module.graph.nodes:
+        if node in needed:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(module, graph)
+
+
+def _reads_only(out: fx.Node, x: fx.Node) -> bool:
+    """Whether ``out`` depends on no program input but through ``x`` (and on constants)."""
+    return all(n.op != "placeholder" or n is x for n in _ancestors(out, frozenset({x})))
+
+
+def _outputs_after(block: Block, limit: int = 8) -> list[fx.Node]:
+    """Nodes downstream of the down projection shaped like the tokens: where the block may end."""
+    want, after = _val(block.x), _descendants(block.down)
+    shaped = [n for n in block.down.graph.nodes if n in after and _val(n) is not None
+              and tuple(_val(n).shape) == tuple(want.shape) and _val(n).dtype == want.dtype]
+    return [n for n in shaped[:limit] if _reads_only(n, block.x)]
+
+
+def _relative(got: Tensor, want: Tensor) -> float:
+    scale = want.abs().max().item()
+    return (got.float() - want.float()).abs().max().item() / max(scale, 1e-30)
+
+
+class Proof:
+    """The operator's operands for one block, once the program's nodes agreed with them."""
+
+    def __init__(self, out: fx.Node, wg: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+                 gate: str):
+        self.out, self.wg, self.w1, self.w2, self.w3, self.gate = out, wg, w1, w2, w3, gate
+
+
+def _constants(module: fx.GraphModule, nodes: list) -> list[Tensor]:
+    with torch.no_grad():
+        return [t.detach() for t in _subgraph(module, nodes, None)()]
+
+
+def _router_candidates(module: fx.GraphModule, block: Block, experts: int) -> list[fx.Node]:
+    """Constant [E, D] nodes the router reads: the router weight is one of them."""
+    cache: dict = {}
+    width = _val(block.x).shape[-1]
+    return [n for n in _ancestors(block.topk, frozenset({block.x}))
+            if _val(n) is not None and tuple(_val(n).shape) == (experts, width)
+            and _val(n).is_floating_point() and _constant_only(n, cache)]
+
+
+def prove(module: fx.GraphModule, block: Block) -> tuple[Optional[Proof], str]:
+    """(the operands, "") when one reading of the block computes what the program does on
+    random tokens, else (None, why not)."""
+    up_w, down_w = _constants(module, [block.up.args[1], block.down.args[1]])
+    if up_w.dim() != 3 or up_w.shape[-1] % 2 or down_w.dim() != 3:
+        return None, f"expert weights {tuple(up_w.shape)}, {tuple(down_w.shape)}"
+    half = up_w.shape[-1] // 2  # gate first, then up (transformers' chunk(2) of gate_up)
+    w1, w3 = up_w[..., :half].contiguous(), up_w[..., half:].contiguous()
+    bound = BOUNDS.get(_val(block.x).dtype)
+    if bound is None:
+        return None, f"tokens are {_val(block.x).dtype}"
+    routers = _router_candidates(module, block, up_w.shape[0])
+    weights = dict(zip(routers, _constants(module, routers))) if routers else {}
+    draws = _draws(block)
+    for out in _outputs_after(block):
+        region = _subgraph(module, [out], block.x)
+        with torch.no_grad():
+            wants = [region(x)[0] for x in draws]
+        for wg in weights.values():
+            for gate in GATES:
+                if all(_relative(moe_ffn_reference(x, wg, w1, down_w, w3, block.k, gate),
+                                 want) <= bound for x, want in zip(draws, wants)):
+                    return Proof(out, wg, w1, down_w.contiguous(), w3, gate), ""
+    return None, (f"no reading of the block (router among {len(weights)} [E, D] constants, "
+                  f"gate {' or '.join(GATES)}, SwiGLU experts) computes what its nodes do")
+
+
+def _draws(block: Block) -> list[Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    value = _val(block.x)
+    return [torch.randn(tuple(value.shape), generator=generator).to(value.dtype)
+            for _ in range(TRIALS)]
+
+
+# --- the rewrite ------------------------------------------------------------------------------
+
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _attribute(module: fx.GraphModule, name: str, value: Tensor) -> fx.Node:
+    # A frozen Parameter, so that the weight formats (t2n/weights.py) store it as the others.
+    setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+    node = module.graph.get_attr(name)
+    node.meta["val"] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return node
+
+
+def _fuse(module: fx.GraphModule, block: Block, proof: Proof, index: int) -> None:
+    graph, out = module.graph, proof.out
+    with graph.inserting_before(out):
+        operands = [_attribute(module, f"gdn_fx_moe{index}_{name}", getattr(proof, name))
+                    for name in ("wg", "w1", "w2", "w3")]
+        fused = graph.call_function(torch.ops.t2n_extra.gdn_fx_moe_ffn.default,
+                                    (block.x, *operands, block.k, proof.gate))
+    fused.meta["val"] = out.meta["val"]
+    out.replace_all_uses_with(fused)
+    # What only the block used goes: walk back from its old end, erasing what has no users.
+    region = sorted(_ancestors(out, frozenset({block.x})) | {out},
+                    key={n: i for i, n in enumerate(graph.nodes)}.__getitem__, reverse=True)
+    for node in region:
+        # export's dtype assertions on the block's values would keep the whole block alive
+        for user in [u for u in node.users if u.target is _ASSERT_METADATA]:
+            graph.erase_node(user)
+        if not node.users and node.op != "placeholder" and not node.is_impure():
+            graph.erase_node(node)
+
+
+def fuse_moe_blocks(module: fx.GraphModule, target) -> int:
+    """Replace, in place, every proven routed MoE block by one ``tract_moe_ffn`` bridge op;
+    how many. A block that is not proven is left for ``moe.py``'s plain ops (logged why)."""
+    refused = fusion_refused(target)
+    blocks = find_blocks(module.graph)
+    unread = len(_pairs(module.graph)) - len(blocks)
+    if unread:  # e.g. tokens of a symbolic length: the proof runs at fixed shapes only
+        LOG.info("%d grouped_mm pairs not read as a static routed block: plain ops", unread)
+    if refused is not None:
+        if blocks:
+            LOG.info("%d MoE blocks left as plain ops: %s", len(blocks), refused)
+        return 0
+    count = 0
+    for block in blocks:
+        proof, why = prove(module, block)
+        if proof is None:
+            LOG.info("MoE block at %s left as plain ops: %s", block.up.name, why)
+            continue
+        _fuse(module, block, proof, count)
+        count += 1
+    if count:
+        module.graph.lint()
+        module.recompile()
+    return count
+
+
+# --- torch-to-nnef handler --------------------------------------------------------------------
+
+def _register_handler() -> None:
+    from torch_to_nnef.op.extras import register
+
+    @register(MOE_BRIDGE)
+    def gdn_fx_moe_ffn(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
+        """``t2n_extra::gdn_fx_moe_ffn`` -> ``tract_moe_ffn`` (canonical expert layout)."""
+        from nnef_tools.model import Operation as NOperation
+        from torch_to_nnef.op.helper import add_tensor_variable_node_as_nnef_tensor
+
+        tensors = [op_helper.get_or_add_tensor_variable_in_nnef(n) for n in node.inputs[:5]]
+        k, gate = (n.data for n in node.inputs[5:7])
+        out = add_tensor_variable_node_as_nnef_tensor(g, node.outputs[0], name_to_tensor,
+                                                      prevent_variable=True)
+        NOperation(g, type=OP, inputs=tuple(tensors), outputs=(out,),
+                   attribs={"k": int(k), "activation": "swiglu", "gate": gate})
+        return ["tract_transformers"]
+
+
+_register_handler()
