@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
+from gdn_fx.passes.chunk_meaning import collapse_chunks_by_meaning
 from gdn_fx.passes.conv_update import collapse_conv_updates, find_conv_updates
 from gdn_fx.passes.gdn_chunk import collapse_chunked, find_chunked
 from gdn_fx.passes.gdn_recurrent import collapse_recurrences, find_unrolled as _unrolled_steps
@@ -27,6 +28,7 @@ from gdn_fx.passes.validate import Validator, compare_programs
 RULES = (
     ("gated_delta_scan", collapse_recurrences),
     ("gated_delta_scan", collapse_chunked),
+    ("gated_delta_scan", collapse_chunks_by_meaning),  # chunked forms no template matched
     ("causal_conv1d_update", collapse_conv_updates),
 )
 

@@ -11,7 +11,7 @@ the fused node. The state's leading axes are the batch: the last is the op's H, 
 its B.
 
 To add a layout: a new field here, the shapes it allows in ``group_features`` /
-step_meaning's ``_layouts``, and what its operands need in ``_adapt``.
+step_meaning's ``layouts_for``, and what its operands need in ``_adapt``.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def decide(step, final: Optional[fx.Node], groups: list,
     module = body_graph(step, final, groups)
     state = val(step.state_in)
     reads = [_read_shape(g) for g in groups]
-    candidates = list(_layouts(shape(step.state_in), groups, shape(step.out)))
+    candidates = list(layouts_for(shape(step.state_in), groups, shape(step.out)))
     if not candidates:
         raise NoMatch(f"step {step.t} reads {len(groups)} tensors position by position ("
                       f"{_describe(groups)}) beside a state {list(state.shape)}; no layout of "
@@ -163,8 +163,9 @@ def _describe(groups) -> str:
     return ", ".join(f"{s.name} {list(shape(s))} along {a}" for s, a in groups[:6])
 
 
-def _layouts(state_shape, groups, out_shape):
-    """Every layout the shapes allow: role assignment, state orientation, gate kind."""
+def layouts_for(state_shape, groups, out_shape):
+    """Every layout the shapes allow: role assignment, state orientation, gate kind.
+    ``groups`` are (tensor, time axis) pairs: a loop's reads, or a chunked region's inputs."""
     feats = [group_features(_read_shape(g), state_shape) for g in groups]
     if any(f is None for f in feats) or len(groups) != 5:
         return
@@ -188,8 +189,9 @@ def _widths_fit(assign, feats, dk, dv) -> bool:
     return feats[assign["g"]] in ([], [dk])
 
 
-def _reference(layout: Layout, s0, ins):
-    """The delta rule's (S', o) for these inputs under ``layout``, in the body's layout."""
+def reference_step(layout: Layout, s0, ins):
+    """The delta rule's (S', o) for these inputs under ``layout``, in the body's layout (one
+    step; chunk_meaning.py runs it along a whole sequence)."""
     batch = s0.shape[:-2]
     x = {r: ins[i].reshape(*batch, -1) if layout.features[i] else ins[i].reshape(batch)
          for r, i in layout.roles.items()}
@@ -215,7 +217,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _score(layout: Layout, points, with_state: bool) -> Outcome:
     worst_s, worst_o, scales = 0.0, 0.0, []
     for s0, ins, (s_got, o_got) in points:
-        s_ref, o_ref, _, _ = _reference(layout, s0, ins)
+        s_ref, o_ref, _, _ = reference_step(layout, s0, ins)
         if with_state:
             worst_s = max(worst_s, _rel(s_got, s_ref))
             if worst_s > 1e-3:  # far off: the output would not make it fit
@@ -238,7 +240,7 @@ def _hint(state_fits: list, points) -> str:
     of the state before the update (as received, or decayed)."""
     s0, ins, (_, o_got) = points[0]
     for layout in state_fits:
-        _, _, s_in, x = _reference(layout, s0, ins)
+        _, _, s_in, x = reference_step(layout, s0, ins)
         for before in (s_in, x["decayed"]):
             readout = (before * x["q"][..., :, None]).sum(-2)
             if o_got.numel() != readout.numel():

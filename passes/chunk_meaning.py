@@ -1,0 +1,591 @@
+"""The chunked form recognized by what it computes, whatever algebra spells it.
+
+A chunked gated-delta computation (FLA's naive chunk references, transformers' chunk rules, a
+per-chunk loop of bmm's) turns q, k, v, g, beta and an initial state into the output of every
+position and the final state, by way of per-chunk cumulative decays, WY matrices and a state
+carried from chunk to chunk. How it is spelled varies; what it computes does not.
+
+Found by structure (cheaply), around each floating ``cumsum`` (the within-chunk cumulative
+decay that every chunked algebra takes; the anchor):
+
+- the region's END: a graph position after the anchor where at most two values computed since
+  the anchor are still read later (the output and the final state: everything the chunk loop
+  carried is spent there). The output is taken as the first tensor on its chain of views and
+  slices that has a whole time axis (after the unpad);
+- the region's INPUTS: walking back from the anchor, the latest value the region reads is
+  taken into it, one at a time (pads, casts, transposes, q's scale, beta folded into k and v,
+  the chunk reshapes...), and every set of inputs on the way that is five sequence tensors of
+  one length T (and maybe one state) is a candidate cut.
+
+Decided by meaning: the region between a cut and the outputs is run in float64 at random
+inputs (step_meaning's interpreter) next to the delta rule run along all T positions under
+every layout the shapes allow (layouts.py's records, step_meaning's ``reference_step``). The
+widest cut whose region agrees to 1e-9 relative at two points, output and final state, is
+fused (plan_operands and plan_scan, as for a recurrent loop); translation validation then
+runs the whole program both ways. A region that does not agree is left with a near-miss that
+says how far off it is and where its output first goes wrong (which chunk, which offset).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import fx
+
+from gdn_fx.passes.conv_meaning import base_of, is_mutation
+from gdn_fx.passes.layouts import Layout, batch_heads, group_features, plan_operands
+from gdn_fx.passes.program import ASSERT_META, dtype, fake_mode_of, is_pure, shape
+from gdn_fx.passes.rebuild import rebuild
+from gdn_fx.passes.result import Miss, NoMatch
+from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
+from gdn_fx.passes.step_meaning import (Float64, TOLERANCE, evaluable, layouts_for,
+                                        reference_step)
+
+NAME = "gated_delta_scan"
+ATEN = torch.ops.aten
+SEED = 1515
+POINTS = 2
+PREFIX = 3  # positions on which every layout is tried before the whole sequence
+END_SCAN = 20000  # nodes after the anchor searched for the region's end
+END_TRIES = 4  # evaluated ends per anchor before giving up (until one agrees)
+END_CANDIDATES = 200  # end positions looked at per anchor
+CUT_TRIES = 3  # cuts evaluated per end, the widest first
+ABSORB = 300  # nodes taken in past the last candidate cut before the walk back stops
+WIDE_INPUTS = 12  # more inputs than this: the walk back has left the region
+LOW_FLOATS = (torch.float16, torch.bfloat16)
+# Ops that only view, slice, move or cast: from the chunk buffer to the whole-sequence output.
+SHAPE_OPS = {ATEN.view.default, ATEN.reshape.default, ATEN._unsafe_view.default,
+             ATEN.slice.Tensor, ATEN.transpose.int, ATEN.permute.default, ATEN.clone.default,
+             ATEN.contiguous.default, ATEN.alias.default, ATEN.squeeze.dim, ATEN.squeeze.dims,
+             ATEN.unsqueeze.default, ATEN._to_copy.default, ATEN.to.dtype}
+
+
+@dataclass
+class Facts:
+    """What every search reads about the graph, computed once."""
+
+    nodes: list
+    order: dict
+    dead: set  # pure values nothing live reads
+    last_use: dict  # node -> position of its last live reader (the output: after all)
+
+    @staticmethod
+    def of(graph: fx.Graph) -> "Facts":
+        nodes = list(graph.nodes)
+        order = {node: i for i, node in enumerate(nodes)}
+        dead = set()
+        for node in reversed(nodes):
+            if is_pure(node) and all(u in dead for u in node.users):
+                dead.add(node)
+        last_use = {}
+        for node in nodes:
+            readers = [u for u in node.users if u.target is not ASSERT_META and u not in dead]
+            last_use[node] = max((len(nodes) if u.op == "output" else order[u]
+                                  for u in readers), default=-1)
+        return Facts(nodes, order, dead, last_use)
+
+    def read_outside(self, node: fx.Node, inside: set) -> list:
+        """Live readers of ``node`` that are not in ``inside``."""
+        return [u for u in node.users if u not in inside and u.target is not ASSERT_META
+                and u not in self.dead]
+
+
+@dataclass
+class Cut:
+    """A candidate region: its nodes, what it reads, what it hands out."""
+
+    nodes: set
+    inputs: list  # non-constant values read from before the region, in graph order
+    value: fx.Node  # all outputs, one axis of length T
+    final: Optional[fx.Node]  # the final state, when the region hands one out
+
+
+@dataclass
+class Fit:
+    """A cut's inputs read as the op's operands: which is the state, time axes, layouts."""
+
+    state: Optional[fx.Node]  # None: the region starts from zeros it makes itself
+    state_shape: tuple
+    groups: list  # (input, time axis), the order layouts index
+    value_axis: int
+    length: int
+    layouts: list
+
+
+@dataclass
+class Verdict:
+    cut: Optional[Cut] = None
+    fit: Optional[Fit] = None
+    layout: Optional[Layout] = None
+    out_error: float = float("inf")
+    state_error: float = float("inf")
+    where: str = ""
+    prefix_agrees: bool = False  # some layout reproduces the first positions
+
+
+# --- the rule ------------------------------------------------------------------------------
+
+def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
+                               ) -> tuple[fx.Graph, list[str], list[Miss]]:
+    """Fuse every chunked gated-delta region found by meaning (those keyed in ``only``, when
+    given); return (new graph, keys of the fusions made, near-misses). A key names the
+    region's anchor (its cumsum). ``graph`` is read, never modified."""
+    anchors = [n for n in graph.nodes if n.target is ATEN.cumsum.default
+               and dtype(n) is not None and dtype(n).is_floating_point]
+    if not anchors:
+        return copy.deepcopy(graph), [], []
+    facts = Facts.of(graph)
+    fusions, misses, taken, mode = [], [], set(), None
+    for anchor in anchors:
+        if anchor in taken:
+            continue
+        try:
+            verdict = _decide_anchor(anchor, facts)
+        except NoMatch as err:
+            misses.append(Miss(NAME, f"chunked form by meaning: {err.reason}",
+                               node=err.node or anchor.name))
+            continue
+        if verdict is None:
+            continue  # nothing around this cumsum is shaped like a chunked region
+        if verdict.layout is None:
+            misses.append(Miss(NAME, f"chunked form by meaning: {_not_delta(verdict)}",
+                               node=anchor.name))
+            continue
+        taken |= verdict.cut.nodes
+        if only is not None and anchor.name not in only:
+            continue
+        try:
+            mode = mode or fake_mode_of(graph)
+            fusions.append(_plan(verdict, anchor, facts.order, mode))
+        except NoMatch as err:
+            misses.append(Miss(NAME, f"chunked form by meaning: {err.reason}",
+                               node=err.node or anchor.name))
+    new = rebuild(graph, fusions) if fusions else copy.deepcopy(graph)
+    return new, [f.key for f in fusions], misses
+
+
+def _plan(verdict: Verdict, anchor: fx.Node, order: dict, mode):
+    cut, fit, layout = verdict.cut, verdict.fit, verdict.layout
+    region = ScanRegion(cut.nodes, cut.value, fit.value_axis, cut.final, anchor)
+    region.meta_source = anchor
+    state = fit.state if fit.state is not None else fit.groups[layout.roles["k"]][0]
+    plan = plan_operands(layout, fit.groups, state, shape(cut.value), fit.value_axis,
+                         fit.length)
+    if fit.state is None:  # the op starts from zeros it is handed, made beside it
+        ops = plan.operands
+        ops.nodes["state"] = ops.nodes["k"]
+        ops.adapters["state"] = ops.adapters.get("k", []) + [
+            (ATEN.new_zeros.default, (_op_state_shape(fit, layout),))]
+    region.out_steps, region.final_steps = plan.out_steps, plan.final_steps
+    check_dtypes(region, plan.operands)
+    return plan_scan(region, plan.operands, order, mode)
+
+
+def _op_state_shape(fit: Fit, layout: Layout) -> list:
+    """[B, H, Dk, Dv] of the op for a state of ``fit.state_shape``."""
+    b, h = batch_heads(fit.state_shape)
+    d1, d2 = fit.state_shape[-2:]
+    return [b, h, d1, d2] if layout.key_first else [b, h, d2, d1]
+
+
+# --- deciding one anchor ---------------------------------------------------------------------
+
+def _decide_anchor(anchor: fx.Node, facts: Facts) -> Optional[Verdict]:
+    """The widest region around ``anchor`` that is the delta rule; else the nearest miss
+    (None when nothing there is shaped like a chunked region). Ends come in runs (an output
+    and the views and slices of it that follow); the last end of a run is tried first. Once
+    a run agrees, later runs extend the region (a per-chunk loop agrees chunk by chunk)
+    until one does not."""
+    best, nearest, tries = None, None, 0
+    for run in _runs(anchor, facts):
+        if best is None and tries >= END_TRIES:
+            break
+        verdict = None
+        for value, final, end in reversed(run):
+            verdict = _decide_end(anchor, value, final, end, facts)
+            if verdict is not None:
+                tries += 1
+                if verdict.layout is not None:
+                    break
+                if nearest is None or _closer(verdict, nearest):
+                    nearest = verdict
+        if verdict is not None and verdict.layout is not None:
+            best = verdict
+        elif best is not None and verdict is not None:
+            return best
+    return best or nearest
+
+
+def _runs(anchor: fx.Node, facts: Facts):
+    """Lists of (value, final, end): the output readings of the end candidates, each grouped
+    with the readings after it (same final state) whose value is a view, slice or cast of
+    the one before."""
+    open_runs, seen, ends = {}, set(), 0
+    for end, live in _end_candidates(anchor, facts):
+        ends += 1
+        if ends > END_CANDIDATES:
+            break
+        for value, final in _outputs(live):
+            if (value, final) in seen:
+                continue
+            seen.add((value, final))
+            run = open_runs.get(final)
+            if run and _viewed(value, run[-1][0]):
+                run.append((value, final, end))
+                continue
+            if run:
+                yield run
+            open_runs[final] = [(value, final, end)]
+    yield from open_runs.values()
+
+
+def _viewed(node: fx.Node, source: fx.Node) -> bool:
+    """``node`` is ``source`` through views, slices and casts only."""
+    while node is not source:
+        if node.target not in SHAPE_OPS or not node.args or not isinstance(node.args[0],
+                                                                         fx.Node):
+            return False
+        node = node.args[0]
+    return True
+
+
+def _closer(a: Verdict, b: Verdict) -> bool:
+    """Nearer: agrees on the first positions where ``b`` does not (else the first one tried,
+    the widest, is the one a near-miss describes)."""
+    return a.prefix_agrees and not b.prefix_agrees
+
+
+def _end_candidates(anchor: fx.Node, facts: Facts):
+    """(position, live values) after the anchor where at most two values computed since it
+    are still read later, one of them a tensor of rank >= 3, and the anchor is spent (the
+    cumulative decays are read up to the last chunk)."""
+    nodes, last_use = facts.nodes, facts.last_use
+    start = facts.order[anchor]
+    live = set()
+    expiring: dict = {}
+    for pos in range(start, min(len(nodes), start + END_SCAN)):
+        node = nodes[pos]
+        if last_use[node] > pos:
+            live.add(node)
+            expiring.setdefault(last_use[node], []).append(node)
+        for done in expiring.pop(pos, ()):
+            live.discard(done)
+        if 1 <= len(live) <= 2 and anchor not in live and node.op == "call_function" and any(
+                len(shape(n) or ()) >= 3 for n in live):
+            yield pos, sorted(live, key=facts.order.__getitem__)
+
+
+def _outputs(live: list):
+    """(value, final) readings of the live values: a final state has rank >= 3 too."""
+    if len(live) == 1:
+        yield live[0], None
+        return
+    for value, final in (live, live[::-1]):
+        dims = shape(final)
+        if dims is not None and len(dims) >= 3 and dtype(final).is_floating_point:
+            yield value, final
+
+
+def _decide_end(anchor, value, final, end: int, facts: Facts) -> Optional[Verdict]:
+    """Cut the region ending at ``end`` back to its inputs and decide it; None when no cut
+    has the shapes of the op's operands."""
+    order = facts.order
+    core = _closure([value] + ([final] if final is not None else []), order[anchor], end,
+                    order)
+    cuts = list(_cuts(core, value, final, end, facts))
+    nearest, tried = None, 0
+    for cut, fits in reversed(cuts):  # the widest first
+        problem = _leak(cut, facts)
+        if tried >= CUT_TRIES:
+            break
+        tried += 1
+        for fit in fits:
+            verdict = Verdict(cut, fit, where=problem) if problem else \
+                _evaluate(cut, fit, order)
+            if verdict.layout is not None:
+                return verdict
+            if nearest is None or _closer(verdict, nearest):
+                nearest = verdict
+    return nearest
+
+
+def _leak(cut: Cut, facts: Facts) -> str:
+    """Why the region cannot be replaced: a value of it read outside, a write into a value
+    from before it; empty when it can."""
+    for node in cut.nodes:
+        if node is cut.value or node is cut.final:
+            continue
+        outside = facts.read_outside(node, cut.nodes)
+        if outside:
+            return f"its value {node.name} is also read by {outside[0].name} outside it"
+        if is_mutation(node) and base_of(node.args[0]) not in cut.nodes:
+            return f"{node.name} writes {base_of(node.args[0]).name} in place, which is " \
+                   "not the region's own"
+    return ""
+
+
+def _closure(sinks: list, lo: int, hi: int, order: dict) -> Optional[set]:
+    """The nodes in positions [lo, hi] that the sinks are computed from, with every in-place
+    write into them; None when the region writes in place into a value from before it."""
+    nodes, todo = set(), list(sinks)
+    while todo:
+        node = todo.pop()
+        if node in nodes or node.op != "call_function" or not lo <= order[node] <= hi:
+            continue
+        nodes.add(node)
+        todo.extend(node.all_input_nodes)
+        for alias in _writes_into(node, hi, order):
+            todo.append(alias)
+    return nodes
+
+
+def _writes_into(node: fx.Node, hi: int, order: dict) -> list:
+    """In-place writes (up to position ``hi``) into ``node``'s storage through its views."""
+    found, todo, seen = [], [node], {node}
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in seen or order[user] > hi or not user.args or user.args[0] is not current:
+                continue
+            schema = getattr(user.target, "_schema", None)
+            aliases = schema is not None and schema.returns and \
+                schema.returns[0].alias_info is not None
+            if is_mutation(user) or aliases:
+                seen.add(user)
+                todo.append(user)
+                if is_mutation(user):
+                    found.append(user)
+    return found
+
+
+# --- walking back to the inputs --------------------------------------------------------------
+
+def _cuts(core: set, value: fx.Node, final, end: int, facts: Facts):
+    """(Cut, fits) for every set of inputs on the walk back that fits the op's operands,
+    the narrowest first. The latest input is taken in at each step."""
+    order, nodes = facts.order, set(core)
+    frontier = {a for n in nodes for a in n.all_input_nodes if a not in nodes}
+    blocked, since = set(), 0
+    while since <= ABSORB:
+        inputs = sorted((f for f in frontier if not evaluable(f)), key=order.__getitem__)
+        if len(inputs) > WIDE_INPUTS:
+            return
+        fits = _fits(inputs, value, final, nodes)
+        if fits:
+            since = 0
+            yield Cut(set(nodes), inputs, value, final), fits
+        movable = [f for f in inputs if f.op == "call_function" and f not in blocked]
+        if not movable:
+            return
+        latest = max(movable, key=order.__getitem__)
+        if any(not is_mutation(u) for u in facts.read_outside(latest, nodes)):
+            blocked.add(latest)  # also read outside: it stays an input
+            continue
+        taken = [latest] + [w for w in _writes_into(latest, end, order) if w not in nodes]
+        nodes |= set(taken)
+        frontier -= set(taken)
+        frontier |= {a for t in taken for a in t.all_input_nodes if a not in nodes}
+        since += 1
+
+
+def _fits(inputs: list, value: fx.Node, final: Optional[fx.Node], nodes: set) -> list:
+    """The ways the inputs are five sequence tensors of one length (and maybe the state)."""
+    if len(inputs) not in (5, 6) or shape(value) is None:
+        return []
+    fits = []
+    for state in ([None] if len(inputs) == 5 else inputs):
+        seqs = [n for n in inputs if n is not state]
+        state_shape = _state_shape(state, final, nodes)
+        if state_shape is None or any(shape(n) is None for n in seqs):
+            continue
+        if final is not None and tuple(shape(final)) != tuple(state_shape):
+            continue
+        for v_axis, length in enumerate(shape(value)):
+            if length < 2 or not _value_fits(shape(value), v_axis, state_shape):
+                continue
+            for axes in itertools.product(*[_axes_of(n, length, state_shape) for n in seqs]):
+                groups = list(zip(seqs, axes))
+                out_shape = [d for i, d in enumerate(shape(value)) if i != v_axis]
+                layouts = list(layouts_for(list(state_shape), groups, out_shape))
+                if layouts:
+                    fits.append(Fit(state, tuple(state_shape), groups, v_axis, length,
+                                    layouts))
+    return fits
+
+
+def _axes_of(node: fx.Node, length: int, state_shape) -> list:
+    """Axes of ``node`` of ``length`` that leave the state's batch axes in front."""
+    dims = list(shape(node))
+    return [i for i, d in enumerate(dims) if d == length and group_features(
+        dims[:i] + dims[i + 1:], state_shape) is not None]
+
+
+def _value_fits(dims, axis: int, state_shape) -> bool:
+    """One position of the output holds one value row per state: batch times Dk or Dv."""
+    rest = math.prod(d for i, d in enumerate(dims) if i != axis)
+    batch = math.prod(state_shape[:-2])
+    return rest in (batch * state_shape[-1], batch * state_shape[-2])
+
+
+def _state_shape(state, final, nodes: set):
+    """The state's shape: the input's, else the final state's, else that of the zeros the
+    region starts from."""
+    if state is not None:
+        dims = shape(state)
+        return dims if dims is not None and len(dims) >= 3 else None
+    if final is not None:
+        return shape(final)
+    zeros = [n for n in nodes if _zeros(n) and len(shape(n) or ()) in (3, 4)]
+    return shape(zeros[0]) if len(zeros) == 1 else None
+
+
+def _zeros(node: fx.Node) -> bool:
+    """zeros, new_zeros, zeros_like, or full(.., 0) (core aten's spelling of them)."""
+    if node.target in (ATEN.zeros.default, ATEN.new_zeros.default, ATEN.zeros_like.default):
+        return True
+    return node.target in (ATEN.full.default, ATEN.new_full.default) and \
+        len(node.args) > 1 and node.args[-1] == 0
+
+
+# --- evaluation ----------------------------------------------------------------------------
+
+def cut_out(cut: Cut, order: dict) -> fx.Graph:
+    """(inputs...) -> (value, final), run on the program's own module (for get_attr)."""
+    graph = fx.Graph()
+    env = {n: graph.placeholder(f"in_{i}") for i, n in enumerate(cut.inputs)}
+    for node in sorted(cut.nodes, key=order.__getitem__):
+        for arg in node.all_input_nodes:
+            if arg not in env and arg not in cut.nodes:
+                _copy_constant(graph, arg, env)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output((env[cut.value], env[cut.final] if cut.final is not None else None))
+    return graph
+
+
+def _copy_constant(graph: fx.Graph, node: fx.Node, env: dict) -> None:
+    for inner in node.all_input_nodes:
+        if inner not in env:
+            _copy_constant(graph, inner, env)
+    env[node] = graph.node_copy(node, lambda n: env[n])
+
+
+def _draw(dims, gen: torch.Generator) -> torch.Tensor:
+    """Uniform in [-1, 1] scaled by 1/sqrt of the last axis: small keys keep the chunked
+    solve well conditioned (as an l2norm does), both signs show a missing exp or abs."""
+    dims = list(dims)
+    scale = 0.5 / max(dims[-1], 1) ** 0.5 if dims else 0.5
+    return (torch.rand(dims, generator=gen, dtype=torch.float64) * 2 - 1) * scale
+
+
+def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
+    low = [n for n in cut.nodes if dtype(n) in LOW_FLOATS]
+    if low:  # float64 cannot see a rounding to f16/bf16 inside the region
+        return Verdict(cut, fit, where=f"the region computes {low[0].name} in {dtype(low[0])}; "
+                                      "by meaning only in f32 or f64")
+    graph = cut_out(cut, order)
+    owner = cut.value.graph.owning_module or torch.nn.Module()
+    gen = torch.Generator().manual_seed(SEED)
+    points = []
+    for _ in range(POINTS):
+        ins = [_draw(shape(n), gen) for n in cut.inputs]
+        try:
+            got = Float64(owner, graph=graph).run(*[x.clone() for x in ins])
+        except Exception as error:  # noqa: BLE001 (a region that does not run on its own)
+            return Verdict(cut, fit, where=f"the region does not run on its own: {error}")
+        points.append((ins, got))
+    prefix = []
+    for i, layout in enumerate(fit.layouts):
+        error, _, scale, _ = _score(layout, fit, cut, points, PREFIX, explain=False)
+        prefix.append((error, i, layout, scale))
+    prefix.sort(key=lambda item: item[:2])
+    survivors = [(lay, c) for error, _, lay, c in prefix if error <= TOLERANCE]
+    best = Verdict(cut, fit, prefix_agrees=bool(survivors))
+    # the others along the whole sequence, at the scale the first positions gave
+    for layout, c in survivors or [prefix[0][2:]]:
+        out_error, state_error, scale, where = _score(layout, fit, cut, points, fit.length,
+                                                      scale=c)
+        if out_error <= TOLERANCE and state_error <= TOLERANCE:
+            return Verdict(cut, fit, layout.with_scale(scale), out_error, state_error)
+        if out_error + state_error < best.out_error + best.state_error:
+            best = Verdict(cut, fit, None, out_error, state_error, where, bool(survivors))
+    return best
+
+
+def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool = True,
+           scale: Optional[float] = None):
+    """(output error, final-state error, scale, where the output first differs) of the
+    region against the delta rule under ``layout`` along the first ``steps`` positions; the
+    output scale is fitted unless given."""
+    steps = min(steps, fit.length)
+    worst_o, worst_s, scales, where = 0.0, 0.0, [], ""
+    chunk = _chunk_size(cut)
+    for ins, (value, final) in points:
+        by_node = dict(zip(cut.inputs, ins))
+        s = by_node[fit.state] if fit.state is not None else \
+            torch.zeros(fit.state_shape, dtype=torch.float64)
+        refs, gots = [], []
+        for t in range(steps):
+            reads = [by_node[n].select(axis, t) for n, axis in fit.groups]
+            s, o = reference_step(layout, s, reads)[:2]
+            got = value.select(fit.value_axis, t)
+            if got.numel() != o.numel():
+                return float("inf"), float("inf"), 1.0, ""
+            refs.append(o)
+            gots.append(got.reshape(o.shape))
+        ref, got = torch.stack(refs), torch.stack(gots)
+        c = scale if scale is not None else \
+            (got * ref).sum().item() / max((ref * ref).sum().item(), 1e-300)
+        scales.append(c)
+        error = (got - c * ref).abs()
+        worst_o = max(worst_o, error.max().item() / max(ref.abs().max().item() * abs(c), 1e-30))
+        if explain and not where and worst_o > TOLERANCE:
+            where = _first_wrong(error, ref, c, chunk)
+        if steps == fit.length and final is not None:
+            worst_s = max(worst_s, _rel(final, s))
+    if abs(scales[0] - scales[-1]) > TOLERANCE * max(abs(scales[0]), 1e-30) or scales[0] == 0:
+        worst_o = max(worst_o, 1.0)
+    return worst_o, worst_s, scales[0], where
+
+
+def _first_wrong(error: torch.Tensor, ref: torch.Tensor, c: float, chunk: int) -> str:
+    scale = max(ref.abs().max().item() * abs(c), 1e-30)
+    per_position = error.reshape(error.shape[0], -1).max(-1).values / scale
+    t = int((per_position > TOLERANCE).nonzero()[0])
+    if chunk and t and t % chunk == 0:
+        return f"the output first differs at position {t}, the start of chunk {t // chunk}: " \
+               "the chunks before it agree, the state they hand on does not"
+    if chunk:
+        return f"the output first differs at position {t} (chunk {t // chunk}, offset " \
+               f"{t % chunk})"
+    return f"the output first differs at position {t}"
+
+
+def _chunk_size(cut: Cut) -> int:
+    """The size of the cumulated axis of the region's first cumsum (the chunk), else 0."""
+    for node in cut.nodes:
+        if node.target is ATEN.cumsum.default:
+            return shape(node)[node.args[1] % len(shape(node))]
+    return 0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() != b.numel():
+        return float("inf")
+    return (a.reshape(b.shape) - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+
+
+def _not_delta(verdict: Verdict) -> str:
+    if verdict.out_error == float("inf") and verdict.where:
+        return verdict.where
+    text = (f"the region from {', '.join(n.name for n in verdict.cut.inputs)} is not the "
+            f"delta rule under any layout its shapes allow: the nearest differs by "
+            f"{verdict.out_error:.2g} in the output")
+    if verdict.cut.final is not None:
+        text += f" and {verdict.state_error:.2g} in the final state"
+    text += " (relative, float64)"
+    return text + (f"; {verdict.where}" if verdict.where else "")

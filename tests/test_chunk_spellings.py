@@ -1,0 +1,141 @@
+"""Chunked spellings by other authors fuse by what they compute; one-change mutants do not.
+
+For every spelling in ``chunk_spellings.SPELLINGS`` (FLA's naive chunk GDN and KDA references
+as FLA writes them, and a per-chunk bmm loop of chunk size 16) and every IR form,
+``gdn_fx.collapse`` makes exactly one gated_delta_scan node reading the module's own inputs,
+and the collapsed program computes what the eager module computes. The eager modules are
+checked against gdn_fx.reference's token-by-token recurrence in float64 (not against the
+pass). Every mutant differs from its base in eager, stays unfused, and a near-miss of the
+chunked rule says how far off it is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import gdn_fx
+from chunk_spellings import MUTANT, MUTANTS, SPELLING, SPELLINGS
+from gdn_fx.reference import recurrent_delta_rule_reference
+
+FORMS = ("training", "functional", "core_aten")
+TOL = 1e-5
+
+
+def scan64(q, k, v, g, beta, s0, *, scale, norm):
+    """The recurrence in float64 (sequence-major, key-first state)."""
+    assert norm is None
+    return recurrent_delta_rule_reference(
+        q.double(), k.double(), v.double(), g.double(), beta.double(), scale=scale,
+        initial_state=None if s0 is None else s0.double())
+
+
+def flat(outputs) -> list:
+    return [x for x in torch.utils._pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor)]
+
+
+def clone(args: tuple) -> tuple:
+    return tuple(a.clone() for a in args)
+
+
+def assert_same(got, want, tol=TOL, what=""):
+    got, want = flat(got), flat(want)
+    assert len(got) == len(want), f"{what}{len(got)} outputs, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"{what}output {i}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        error = (g.double() - w.double()).abs().max().item() / max(w.abs().max().item(), 1e-30)
+        assert error <= tol, f"{what}output {i} differs by {error:.3g} relative"
+
+
+@functools.lru_cache(maxsize=None)
+def exported(kind: str, name: str):
+    """The module, its inputs and its training-IR ExportedProgram (built once)."""
+    if kind == "spelling":
+        make, inputs = SPELLING[name].module, SPELLING[name].inputs
+    else:
+        make, inputs = MUTANT[name].module, SPELLING[MUTANT[name].base].inputs
+    module, args = make(), inputs()
+    return module, args, torch.export.export(module, clone(args))
+
+
+def collapse(kind: str, name: str, form: str):
+    module, args, ep = exported(kind, name)
+    if form == "functional":
+        ep = ep.run_decompositions({})
+    elif form == "core_aten":
+        ep = ep.run_decompositions()
+    result = gdn_fx.collapse(ep)
+    return result, result.program.module()(*clone(args)), module(*clone(args))
+
+
+# --- the corpus itself ---------------------------------------------------------------------
+
+def test_the_corpus_is_as_promised():
+    names = [s.name for s in SPELLINGS] + [m.name for m in MUTANTS]
+    assert len(names) == len(set(names))
+    assert {"fla_chunk_gdn", "fla_chunk_kda", "bmm_chunk16_gdn"} <= set(SPELLING)
+    assert {s.family for s in SPELLINGS} == {"gdn", "kda"}
+    assert len(MUTANTS) >= 6 and all(m.base in SPELLING for m in MUTANTS)
+
+
+@pytest.mark.parametrize("name", [s.name for s in SPELLINGS])
+def test_spelling_computes_the_delta_rule(name):
+    spelling = SPELLING[name]
+    args = spelling.inputs()
+    assert_same(spelling.module()(*clone(args)), spelling.reference(clone(args), scan64))
+
+
+@pytest.mark.parametrize("name", [m.name for m in MUTANTS])
+def test_mutant_differs_from_its_base(name):
+    mutant = MUTANT[name]
+    args = SPELLING[mutant.base].inputs()
+    got = flat(mutant.module()(*clone(args)))
+    want = flat(SPELLING[mutant.base].module()(*clone(args)))
+    assert max((g - w).abs().max().item() / w.abs().max().item()
+               for g, w in zip(got, want)) > 1e-3, mutant.change
+
+
+# --- collapse ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name", [s.name for s in SPELLINGS])
+def test_spelling_fuses(name, form):
+    result, got, want = collapse("spelling", name, form)
+    report = result.explain()
+    assert_same(got, want, what=f"collapsed vs eager ({report}): ")
+    assert result.counts["gated_delta_scan"] == 1, report
+
+
+@pytest.mark.parametrize("name", [s.name for s in SPELLINGS])
+def test_fused_node_reads_the_module_inputs(name):
+    """The whole region went: the op reads the module's inputs (the state made inside when
+    none is given), with FLA's default scale 1/sqrt(Dk), and nothing of the chunk algebra
+    (no cumsum, no triu mask, no forward substitution) is left."""
+    result, _, _ = collapse("spelling", name, "training")
+    graph = result.program.graph_module.graph
+    (node,) = [n for n in graph.nodes if n.target is torch.ops.gdn_fx.gated_delta_scan.default]
+    _, args, _ = exported("spelling", name)
+    dk = args[0].shape[-1]
+    assert node.kwargs["scale"] == pytest.approx(dk ** -0.5)
+    names = [a.name for a in node.args[:5]]
+    assert names == ["q", "k", "v", "g", "beta"]
+    left = {n.target for n in graph.nodes}
+    assert not left & {torch.ops.aten.cumsum.default, torch.ops.aten.triu.default}
+    assert sum(n.op == "call_function" for n in graph.nodes) < 16
+
+
+@pytest.mark.parametrize("name", [m.name for m in MUTANTS])
+def test_mutant_stays_unfused(name):
+    result, got, want = collapse("mutant", name, "training")
+    report = result.explain()
+    assert_same(got, want, what=f"collapsed vs eager ({report}): ")
+    assert result.counts["gated_delta_scan"] == 0, f"{MUTANT[name].change}; {report}"
+    assert any("chunked form by meaning" in str(m) for m in result.misses), report
+
+
+def test_near_miss_names_the_chunk_where_it_goes_wrong():
+    result, _, _ = collapse("mutant", "fla_gdn_state_not_carried", "training")
+    (miss,) = [m for m in result.misses if "chunked form by meaning" in str(m)]
+    assert "position 64, the start of chunk 1" in str(miss), str(miss)
