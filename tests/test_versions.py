@@ -1,7 +1,8 @@
 """gdn_fx.hf on whichever transformers release is installed (marker ``versions``).
 
 ``make test`` runs this file on the newest release; ``.ci/run`` runs it again on the oldest
-supported ones (transformers 5.15.0, fully supported, and 5.0.0, import and refusals), each
+supported ones (transformers 5.15.0, fully supported, and 5.0.0: DecodeStep on its per-model
+caches, lfm2's and bamba's refused), each
 put in front of the venv with ``pip install --target`` and PYTHONPATH. What each release
 has is written below by hand from docs/FACTS.md, "transformers releases".
 """
@@ -26,7 +27,23 @@ HAS = {"5.0.0": {"qwen3_next", "lfm2", "bamba"}, "5.10.4": SIX, "5.15.0": SIX,
 VERSION = transformers.__version__
 # Releases whose helpers work end to end: LinearAttentionLayer slots, module-level kernels.
 FULL = compat.LINEAR_LAYER is not None and hasattr(compat.LINEAR_LAYER(), "number_of_states")
+# Before 5.5 each family has its own cache class: DecodeStep reads Qwen3-Next-style ones
+# (gdn_fx/hf/list_cache.py) and refuses lfm2's and bamba's.
+PER_MODEL = compat.LINEAR_LAYER is None
+OWN_CACHE_LAYOUT = {"lfm2", "bamba"}
 AVAILABLE = available_families()
+
+
+def decode_families() -> list[str]:
+    """Families whose DecodeStep this release serves (beyond a refusal), the mamba2 one aside."""
+    served = [f for f in AVAILABLE if family(f).mixer != "mamba2"]
+    return [f for f in served if f not in OWN_CACHE_LAYOUT] if PER_MODEL else served
+
+
+def exportable(model):
+    """Before 5.5 the MoE families' default experts kernel calls torch._grouped_mm, which
+    torch.export refuses in f32 on CPU ('Expected inputs of BF16 type'): switch to batched_mm."""
+    return prepare_for_nnef(model) if PER_MODEL else model
 
 
 def test_the_installed_release_has_the_families_docs_say():
@@ -53,7 +70,7 @@ def linear_layers(name: str) -> int:
 @pytest.mark.parametrize("name", AVAILABLE)
 def test_decode_step_follows_the_release_cache_api(name):
     model = tiny_model(name)
-    if compat.LINEAR_LAYER is None:  # before 5.5: refused with the version named
+    if PER_MODEL and name in OWN_CACHE_LAYOUT:  # before 5.5: refused with the version named
         with pytest.raises(UnsupportedModel, match=VERSION):
             DecodeStep(model)
         return
@@ -72,11 +89,11 @@ def test_decode_step_follows_the_release_cache_api(name):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("name", [f for f in AVAILABLE if family(f).mixer != "mamba2"])
+@pytest.mark.parametrize("name", decode_families())
 def test_decode_step_collapses_fully_and_computes_the_same(name):
-    if not FULL:
-        pytest.skip(f"transformers {VERSION}: decode collapse is checked from 5.15")
-    step = DecodeStep(tiny_model(name))
+    if not FULL and not PER_MODEL:
+        pytest.skip(f"transformers {VERSION}: decode collapse is checked from 5.15 and below 5.5")
+    step = DecodeStep(exportable(tiny_model(name)))
     args = step.example_inputs(seq_len=1)
     program = torch.export.export(step, args, strict=False)
     result = gdn_fx.collapse(program)
@@ -89,9 +106,9 @@ def test_decode_step_collapses_fully_and_computes_the_same(name):
 
 
 def test_prefill_collapses_through_this_release_chunk_rule():
-    if not FULL:
-        pytest.skip(f"transformers {VERSION}: prefill collapse is checked from 5.15")
-    step = DecodeStep(tiny_model("qwen3_next"))
+    if not FULL and not PER_MODEL:
+        pytest.skip(f"transformers {VERSION}: prefill collapse is checked from 5.15 and below 5.5")
+    step = DecodeStep(exportable(tiny_model("qwen3_next")))
     program = torch.export.export(step, step.example_inputs(seq_len=8), strict=False)
     result = gdn_fx.collapse(program)
     assert result.counts.get("gated_delta_scan", 0) == 3  # three linear-attention layers
@@ -121,8 +138,8 @@ def test_this_release_chunked_rule_collapses_on_its_own():
 
 
 def test_a_collapsed_decode_step_runs_in_tract(tmp_path):
-    if not FULL:
-        pytest.skip(f"transformers {VERSION}: NNEF is checked from 5.15")
+    if not FULL and not PER_MODEL:
+        pytest.skip(f"transformers {VERSION}: NNEF is checked from 5.15 and below 5.5")
     step = DecodeStep(prepare_for_nnef(tiny_model("qwen3_next")))
     args = step.example_inputs(seq_len=1)
     program = gdn_fx.collapse(torch.export.export(step, args, strict=False)).program

@@ -1,7 +1,8 @@
 """An exportable step of a transformers hybrid causal LM, with its cache as explicit tensors.
 
 transformers' own export wrappers fail on linear-attention caches. :class:`DecodeStep` takes
-``(input_ids, *states)``, rebuilds a ``DynamicCache(config=...)`` from the states inside
+``(input_ids, *states)``, rebuilds a ``DynamicCache(config=...)`` (before transformers 5.5 the
+family's own cache class, ``list_cache.py``) from the states inside
 ``forward``, runs the model, and returns ``(logits, *new_states)``: a pure function that
 ``torch.export`` traces strict or non-strict. Input states are never mutated (they are cloned
 into the cache, and the cache's tensors are returned).
@@ -14,10 +15,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 from torch.export import Dim
-from transformers import DynamicCache
 
 from gdn_fx.errors import PatchError, UsageError
-from gdn_fx.hf import compat, patching
+from gdn_fx.hf import compat, list_cache, patching
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
 from gdn_fx.hf.states import (
     StateSpec,
@@ -25,6 +25,7 @@ from gdn_fx.hf.states import (
     check_states,
     discover_specs,
     model_device,
+    new_cache,
     read_cache,
 )
 
@@ -70,10 +71,10 @@ class DecodeStep(nn.Module):
     def forward(self, input_ids: Tensor, *states: Tensor) -> tuple[Tensor, ...]:
         check_states(self.specs, states, input_ids.shape[0])
         swaps = patching.recurrent_swaps(self.modeling) if self.rule == "recurrent" else []
+        if compat.LINEAR_LAYER is None:  # before 5.5: the family's cache, one export blocker
+            swaps = swaps + list_cache.mask_swaps(self.model)
         with patching.Patches(swaps):
-            linear_class = patching.DeferringLinearAttentionLayer if self._can_defer() else None
-            cache = build_cache(self.model.config, self.specs, [s.clone() for s in states],
-                                linear_class=linear_class, whole_windows=self.whole_windows)
+            cache = self._cache([s.clone() for s in states])
             try:
                 keep = {"logits_to_keep": 1} if self.last_logits else {}
                 logits = compat.run(self.model, cache, input_ids=input_ids, **keep).logits
@@ -84,6 +85,14 @@ class DecodeStep(nn.Module):
             raise PatchError("a deferred conv-state update was not consumed: some "
                                "causal_conv1d_fn does not know gdn-fx's deferral")
         return (logits, *read_cache(cache, self.specs))
+
+    def _cache(self, states: list[Tensor]):
+        """The cache the model runs on, holding ``states`` (list_cache.py before 5.5)."""
+        if compat.LINEAR_LAYER is None:
+            return list_cache.filled(self.model, self.specs, states)
+        linear_class = patching.DeferringLinearAttentionLayer if self._can_defer() else None
+        return build_cache(self.model.config, self.specs, states, linear_class=linear_class,
+                           whole_windows=self.whole_windows)
 
     def dynamic_shapes(self, min_seq: int = 2, max_seq: Optional[int] = None) -> tuple:
         """``dynamic_shapes`` for ``torch.export.export(step, args, ...)``: a dynamic number
@@ -161,7 +170,7 @@ class DecodeStep(nn.Module):
         if past_len == 0:
             return [torch.zeros(s.shape_for(batch, 0), dtype=s.dtype, device=self._device())
                     for s in self.specs]
-        cache = DynamicCache(config=self.model.config)
+        cache = new_cache(self.model)
         with torch.no_grad():
             compat.run(self.model, cache, input_ids=prompt_ids)
         return [t.clone() for t in read_cache(cache, self.specs)]
@@ -187,7 +196,7 @@ def hf_continue(model: nn.Module, prompt_ids: Tensor, input_ids: Tensor,
     """transformers' own flow, independent of DecodeStep: prefill ``prompt_ids`` into a
     ``DynamicCache``, run ``input_ids`` on it; returns ``(logits, *states)`` in spec order."""
     specs = discover_specs(model) if specs is None else specs
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)  # the class transformers builds itself (its own before 5.5)
     with torch.no_grad():
         compat.run(model, cache, input_ids=prompt_ids)
         out = compat.run(model, cache, input_ids=input_ids)

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from gdn_fx.errors import DTypeError, ShapeError, UnsupportedModel
-from gdn_fx.hf import compat
+from gdn_fx.hf import compat, list_cache
 
 # kind -> (input-name stem, past-length axis or None)
 KINDS = {
@@ -79,10 +79,23 @@ def _layer_entries(layer) -> list[tuple[str, int, Tensor]]:
     return found
 
 
+def new_cache(model: nn.Module):
+    """An empty cache of the kind ``model``'s forward fills: ``DynamicCache`` from
+    transformers 5.5, the family's own class before (``list_cache.py``)."""
+    if compat.LINEAR_LAYER is None:
+        return list_cache.new_cache(model)
+    return DynamicCache(config=model.config)
+
+
+def _entries_by_layer(cache) -> list[list[tuple[str, Optional[int], Tensor]]]:
+    if list_cache.is_list_cache(cache):
+        return [[(kind, None, t) for kind, t in layer] for layer in list_cache.entries(cache)]
+    return [_layer_entries(layer) for layer in cache.layers]
+
+
 def discover_specs(model: nn.Module) -> list[StateSpec]:
     """Run ``model`` once on a short prompt and describe every tensor its cache then holds."""
-    compat.require_linear_cache("explicit cache states (DecodeStep)")
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     ids = torch.full((1, PROBE_LEN), 3, dtype=torch.long, device=model_device(model))
     with torch.no_grad():
         try:
@@ -92,8 +105,7 @@ def discover_specs(model: nn.Module) -> list[StateSpec]:
                 f"{type(model).__name__} in transformers {compat.VERSION} does not keep its "
                 f"states in DynamicCache's layers ({err}); DecodeStep cannot pass them") from None
     specs = []
-    for index, layer in enumerate(cache.layers):
-        entries = _layer_entries(layer)
+    for index, entries in enumerate(_entries_by_layer(cache)):
         for kind, slot, tensor in entries:
             shape = list(tensor.shape)
             if KINDS[kind][1] is not None:
@@ -185,6 +197,8 @@ def build_cache(config, specs: Sequence[StateSpec], tensors: Sequence[Tensor],
 
 def read_cache(cache: DynamicCache, specs: Sequence[StateSpec]) -> list[Tensor]:
     """The tensors ``cache`` holds now, in ``specs`` order."""
+    if list_cache.is_list_cache(cache):
+        return list_cache.read(cache, specs)
     out = []
     for spec in specs:
         layer = cache.layers[spec.layer]
