@@ -8,8 +8,9 @@ Three layouts (docs/FACTS.md, "transformers releases"; detected by feature, not 
 - 5.5 to 5.12 (5.13, 5.14 unchecked): ``LinearAttentionLayer`` holds ONE conv and ONE
   recurrent tensor, and each layer binds its kernels as instance attributes at construction
   (swapping module globals does nothing), so only transformers' own rules (``rule="auto"``) are available.
-- before 5.5: no ``LinearAttentionLayer``; each family keeps its own cache class. gdn-fx's
-  helpers that need explicit cache states refuse with the version named.
+- before 5.5: no ``LinearAttentionLayer``; each family keeps its own cache class.
+  ``DecodeStep`` fills Qwen3-Next-style ones (per-layer lists, ``list_cache.py``) and refuses
+  the others with the version named.
 
 The forward keyword of the cache is ``cache=`` from 5.24 and ``past_key_values=`` before (an
 older forward silently ignores an unknown ``cache=``), so it is read from the signature.
@@ -44,14 +45,6 @@ def cache_kwarg(model: nn.Module) -> str:
 def run(model: nn.Module, cache: Any, **kwargs: Any) -> Any:
     """``model(..., <cache keyword>=cache, use_cache=True)`` for the installed release."""
     return model(**{cache_kwarg(model): cache}, use_cache=True, **kwargs)
-
-
-def require_linear_cache(what: str) -> None:
-    """Refuse ``what`` on a release without ``LinearAttentionLayer`` (before 5.5)."""
-    if LINEAR_LAYER is None:
-        raise UnsupportedModel(
-            f"{what} needs transformers' LinearAttentionLayer cache (transformers >= 5.5); "
-            f"transformers {VERSION} keeps linear-attention states in per-model caches")
 
 
 def is_linear(layer: Any) -> bool:
