@@ -260,9 +260,9 @@ def test_points_must_fit_and_check():
 
 # --- a transformers family ------------------------------------------------------------------
 
-# Every family the reify route exports (lara_mini and glm5_next are refused there too: a
-# sliding window bounding S and P, sizes that depend on values).
-GENERATING = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear",
+# Every family the reify route exports (glm5_next is refused there too: sizes that depend on
+# values).
+GENERATING = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lara_mini", "kimi_linear",
               "bailing_hybrid", "lfm2")
 
 
@@ -277,7 +277,7 @@ def test_plain_export_generalized_equals_the_reify_route(tmp_path, family):
     from gdn_fx.hf.generator import Generator, check_generation, export_generator
 
     model = prepare_for_nnef(tiny_model(family))
-    step = DecodeStep(model, last_logits=True)
+    step = DecodeStep(model, last_logits=True, whole_windows=True)
     gen = gdn_fx.generalize(lambda S, P: torch.export.export(
         step, step.example_inputs(seq_len=S, past_len=P), strict=False))
     assert gen.counts == step.expected_fusions

@@ -43,7 +43,7 @@ def export_generalized(model: nn.Module, path: Union[str, Path], *, decode: bool
     """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF by the
     generalize route (see the module doc); arguments and result as ``export_generator``'s.
     Raises GeneralizeRefused (naming the node) where no single program serves every S, P."""
-    step = DecodeStep(prepare_for_nnef(model), last_logits=True)
+    step = DecodeStep(prepare_for_nnef(model), last_logits=True, whole_windows=True)
     say(f"torch.export at (S, P) = {list(points)}, collapse, generalize")
     gen = generalize_step(step, points)
     names = dict(input_names=step.input_names, output_names=step.output_names,
