@@ -27,6 +27,7 @@ from gdn_fx.lowering.t2n.dynamic_axes import frozen_axes, refuse_frozen_axes
 from gdn_fx.lowering.t2n.fixes import apply_fixes
 from gdn_fx.lowering.t2n.moe_ffn import FUSED, fuse_moe_blocks, split_choice
 from gdn_fx.lowering.t2n.offline_target import offline_tract_target
+from gdn_fx.lowering.t2n.scan_reset import needs_reset, reset_cumsum_scans
 from gdn_fx.lowering.t2n.unused_inputs import (declare_unused, drop_unused, rewrite_graph_file,
                                                unused_inputs)
 from gdn_fx.lowering.t2n.weights import apply_weights, check_format
@@ -135,4 +136,6 @@ def _write(module, writer_path: Path, compression: Optional[int], target: Target
                                 f"{str(error).splitlines()[0]}") from None
     if unread:
         rewrite_graph_file(written, lambda text: declare_unused(text, unread, input_names))
+    if needs_reset(written):  # torch-to-nnef's cumsum scan, else wrong on a reused State
+        rewrite_graph_file(written, reset_cumsum_scans)
     return written
