@@ -53,7 +53,7 @@ POINTS = 2
 PREFIX = 3  # positions on which every layout is tried before the whole sequence
 END_SCAN = 20000  # nodes after the anchor searched for the region's end
 END_TRIES = 4  # evaluated ends per anchor before giving up (until one agrees)
-END_CANDIDATES = 200  # end positions looked at per anchor
+END_CANDIDATES = 24  # output readings walked back from per anchor
 CUT_TRIES = 3  # cuts evaluated per end, the widest first
 ABSORB = 300  # nodes taken in past the last candidate cut before the walk back stops
 WIDE_INPUTS = 12  # more inputs than this: the walk back has left the region
@@ -73,6 +73,7 @@ class Facts:
     order: dict
     dead: set  # pure values nothing live reads
     last_use: dict  # node -> position of its last live reader (the output: after all)
+    constants: dict = field(default_factory=dict)
 
     @staticmethod
     def of(graph: fx.Graph) -> "Facts":
@@ -88,6 +89,13 @@ class Facts:
             last_use[node] = max((len(nodes) if u.op == "output" else order[u]
                                   for u in readers), default=-1)
         return Facts(nodes, order, dead, last_use)
+
+    def constant(self, node: fx.Node) -> bool:
+        """step_meaning.evaluable, remembered (the walk back asks again at every step)."""
+        known = self.constants.get(node)
+        if known is None:
+            known = self.constants[node] = evaluable(node)
+        return known
 
     def read_outside(self, node: fx.Node, inside: set) -> list:
         """Live readers of ``node`` that are not in ``inside``."""
@@ -137,8 +145,8 @@ def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
     region's anchor (its cumsum). ``graph`` is read, never modified."""
     anchors = [n for n in graph.nodes if n.target is ATEN.cumsum.default
                and dtype(n) is not None and dtype(n).is_floating_point]
-    if not anchors:
-        return copy.deepcopy(graph), [], []
+    if not anchors:  # the usual case once the other rules ran: no copy, no walk
+        return graph, [], []
     facts = Facts.of(graph)
     fusions, misses, taken, mode = [], [], set(), None
     for anchor in anchors:
@@ -225,13 +233,12 @@ def _runs(anchor: fx.Node, facts: Facts):
     """Lists of (value, final, end): the output readings of the end candidates, each grouped
     with the readings after it (same final state) whose value is a view, slice or cast of
     the one before."""
-    open_runs, seen, ends = {}, set(), 0
+    open_runs, seen = {}, set()
     for end, live in _end_candidates(anchor, facts):
-        ends += 1
-        if ends > END_CANDIDATES:
+        if len(seen) > END_CANDIDATES:
             break
         for value, final in _outputs(live):
-            if (value, final) in seen:
+            if (value, final) in seen or not _may_be_output(value, final):
                 continue
             seen.add((value, final))
             run = open_runs.get(final)
@@ -242,6 +249,17 @@ def _runs(anchor: fx.Node, facts: Facts):
                 yield run
             open_runs[final] = [(value, final, end)]
     yield from open_runs.values()
+
+
+def _may_be_output(value: fx.Node, final: Optional[fx.Node]) -> bool:
+    """A floating value with an axis of length >= 2 whose positions hold one row per state
+    (when the final state is known)."""
+    dims = shape(value)
+    if dims is None or len(dims) < 3 or not dtype(value).is_floating_point:
+        return False
+    if final is None:
+        return True
+    return any(d >= 2 and _value_fits(dims, i, shape(final)) for i, d in enumerate(dims))
 
 
 def _viewed(node: fx.Node, source: fx.Node) -> bool:
@@ -372,7 +390,7 @@ def _cuts(core: set, value: fx.Node, final, end: int, facts: Facts):
     frontier = {a for n in nodes for a in n.all_input_nodes if a not in nodes}
     blocked, since = set(), 0
     while since <= ABSORB:
-        inputs = sorted((f for f in frontier if not evaluable(f)), key=order.__getitem__)
+        inputs = sorted((f for f in frontier if not facts.constant(f)), key=order.__getitem__)
         if len(inputs) > WIDE_INPUTS:
             return
         fits = _fits(inputs, value, final, nodes)
@@ -520,19 +538,25 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
            scale: Optional[float] = None):
     """(output error, final-state error, scale, where the output first differs) of the
     region against the delta rule under ``layout`` along the first ``steps`` positions; the
-    output scale is fitted unless given."""
+    output scale is fitted unless given. The rule is run for the first batch entry and at
+    most two heads (they are independent: at real widths the run along T is the cost)."""
     steps = min(steps, fit.length)
     worst_o, worst_s, scales, where = 0.0, 0.0, [], ""
     chunk = _chunk_size(cut)
+    batch = fit.state_shape[:-2]
     for ins, (value, final) in points:
         by_node = dict(zip(cut.inputs, ins))
         s = by_node[fit.state] if fit.state is not None else \
             torch.zeros(fit.state_shape, dtype=torch.float64)
+        s = _some(s, batch)
         refs, gots = [], []
         for t in range(steps):
-            reads = [by_node[n].select(axis, t) for n, axis in fit.groups]
+            reads = [_some(by_node[n].select(axis, t), batch) for n, axis in fit.groups]
             s, o = reference_step(layout, s, reads)[:2]
             got = value.select(fit.value_axis, t)
+            if got.numel() % math.prod(batch):
+                return float("inf"), float("inf"), 1.0, ""
+            got = _some(got.reshape(*batch, -1), batch)
             if got.numel() != o.numel():
                 return float("inf"), float("inf"), 1.0, ""
             refs.append(o)
@@ -546,10 +570,17 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
         if explain and not where and worst_o > TOLERANCE:
             where = _first_wrong(error, ref, c, chunk)
         if steps == fit.length and final is not None:
-            worst_s = max(worst_s, _rel(final, s))
+            worst_s = max(worst_s, _rel(_some(final.reshape(fit.state_shape), batch), s))
     if abs(scales[0] - scales[-1]) > TOLERANCE * max(abs(scales[0]), 1e-30) or scales[0] == 0:
         worst_o = max(worst_o, 1.0)
     return worst_o, worst_s, scales[0], where
+
+
+def _some(x: torch.Tensor, batch) -> torch.Tensor:
+    """``x`` (leading axes: the state's batch) at the first batch entry and two heads."""
+    for axis, size in enumerate(batch):
+        x = x.narrow(axis, 0, min(size, 2 if axis == len(batch) - 1 else 1))
+    return x
 
 
 def _first_wrong(error: torch.Tensor, ref: torch.Tensor, c: float, chunk: int) -> str:
