@@ -210,3 +210,17 @@ def test_moe_choice_is_checked_and_needs_tract_0_23_9():
         split_choice({"transformers_moe": "fast"})
     assert "first in 0.23.9" in fusion_refused(Target.parse("0.23.8"))
     assert fusion_refused(Target.parse("0.23.9")) is None
+
+
+def test_moe_block_with_tied_router_rows_is_warned_about(tmp_path, caplog):
+    """Two experts with the same router row tie on every token: torch keeps the lower index,
+    tract (tract_moe_ffn, and tract_core_topk in the plain spelling alike) may keep the other,
+    so the export says so."""
+    block = _block("qwen3_5_moe")
+    with torch.no_grad():
+        block.gate.weight[5] = block.gate.weight[2]
+    args = (torch.randn(1, 4, 64),)
+    with caplog.at_level("WARNING", logger="gdn_fx.lowering"):
+        path = gdn_fx.export_nnef(torch.export.export(block, args), tmp_path / "t.nnef.tgz")
+    assert "tract_moe_ffn(" in tract_check.nnef_text(path)
+    assert "router has 1 repeated rows of 8" in caplog.text

@@ -298,9 +298,22 @@ def prove(module: fx.GraphModule, block: Block) -> tuple[Optional[Proof], str]:
             for gate in GATES:
                 if all(_relative(moe_ffn_reference(x, wg, w1, down_w, w3, block.k, gate),
                                  want) <= bound for x, want in zip(draws, wants)):
+                    _warn_ties(wg, block)
                     return Proof(out, wg, w1, down_w.contiguous(), w3, gate), ""
     return None, (f"no reading of the block (router among {len(weights)} [E, D] constants, "
                   f"gate {' or '.join(GATES)}, SwiGLU experts) computes what its nodes do")
+
+
+def _warn_ties(wg: Tensor, block: Block) -> None:
+    """Warn when two router rows are equal: those experts tie on every token, torch's topk
+    keeps the lower index and tract's (in tract_moe_ffn as in the plain spelling's
+    ``tract_core_topk``) may keep the other, so tract then routes, and answers, differently.
+    A router that is still zero-initialized (transformers builds one so) is all ties."""
+    distinct = torch.unique(wg, dim=0).shape[0]
+    if distinct < wg.shape[0]:
+        LOG.warning("MoE block at %s: the router has %d repeated rows of %d; tied experts "
+                    "may be picked differently by tract than by torch", block.up.name,
+                    wg.shape[0] - distinct, wg.shape[0])
 
 
 def _draws(block: Block) -> list[Tensor]:
