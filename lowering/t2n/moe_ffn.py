@@ -279,6 +279,9 @@ def _router_candidates(module: fx.GraphModule, block: Block, experts: int) -> li
 def prove(module: fx.GraphModule, block: Block) -> tuple[Optional[Proof], str]:
     """(the operands, "") when one reading of the block computes what the program does on
     random tokens, else (None, why not)."""
+    cache: dict = {}
+    if not all(_constant_only(n, cache) for n in (block.up.args[1], block.down.args[1])):
+        return None, "the expert weights are computed from a program input"
     up_w, down_w = _constants(module, [block.up.args[1], block.down.args[1]])
     if up_w.dim() != 3 or up_w.shape[-1] % 2 or down_w.dim() != 3:
         return None, f"expert weights {tuple(up_w.shape)}, {tuple(down_w.shape)}"
