@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="how the NNEF stores the weights (f16: half size; q4_0: tract's "
                         "4-bit blocks for matmul weights); --check then compares with "
                         "transformers on the stored weights")
+    export.add_argument("--runtime", choices=("cpu", "cuda"), default="cpu",
+                        help="the tract runtime the NNEF is lowered for (the lowering table's "
+                        "order and device checks follow it); with --seq-len or --dynamic-seq")
     export.add_argument("--generalize", action="store_true",
                         help="generation-ready route without reify: torch.export at fixed "
                         "(S, P), collapse, gdn_fx.generalize to symbolic S and P")
@@ -118,7 +121,7 @@ def _dispatch(args) -> int:
     job = Job(family=args.family, config=args.config, model_dir=args.model_dir, out=args.out,
               seq_len=args.seq_len or 1, dynamic_seq=args.dynamic_seq, dtype=args.dtype,
               seed=args.seed, weights=args.weights,
-              route="generalize" if args.generalize else "reify")
+              route="generalize" if args.generalize else "reify", runtime=args.runtime)
     if args.seq_len is None and not args.dynamic_seq:
         from gdn_fx.pipeline import render_generator, run_generator
 

@@ -28,6 +28,11 @@ def check(args: argparse.Namespace) -> None:
     if getattr(args, "generalize", False) and (args.seq_len is not None or args.dynamic_seq):
         raise UsageError("--generalize writes the generation-ready artifact: it takes no "
                          "--seq-len / --dynamic-seq")
+    if getattr(args, "runtime", "cpu") != "cpu" and args.seq_len is None and \
+            not args.dynamic_seq:
+        raise UsageError(f"--runtime {args.runtime}: the generation-ready export "
+                         "(gdn_fx.hf.generator) lowers for the CPU runtime only for now; give "
+                         "--seq-len N (one step) or --dynamic-seq")
     if getattr(args, "family", None) is not None:
         check_family(args.family)
     if getattr(args, "config", None) is not None:

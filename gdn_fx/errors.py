@@ -61,6 +61,11 @@ class MissingFile(GdnFxError, FileNotFoundError):
     """A file gdn-fx needs is not there (an NNEF graph, a fragment); the message names it."""
 
 
+class RuntimeUnavailable(GdnFxError, RuntimeError):
+    """A tract runtime (e.g. "cuda") that this machine does not have (no GPU, no driver); the
+    message carries tract's own reason."""
+
+
 class PatchError(GdnFxError, RuntimeError):
     """A swap of transformers' functions that cannot be applied or undone as asked."""
 

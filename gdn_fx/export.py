@@ -32,7 +32,7 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
                 output_names: Optional[Sequence[str]] = None,
                 choose: Optional[Mapping] = None,
                 symbol_min: Optional[Mapping[str, int]] = None,
-                weights: str = "f32") -> Path:
+                weights: str = "f32", runtime: str = "cpu") -> Path:
     """Write ``program`` (an ExportedProgram or GraphModule with gdn_fx nodes) as tract NNEF.
 
     Each ``gated_delta_scan`` / ``causal_conv1d_update`` node is lowered by the first
@@ -68,6 +68,14 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
         recorded in the NNEF's tract properties (key "gdn_fx_weights"). Another value raises
         UsageError.
 
+    runtime: the tract runtime the NNEF is for, ``"cpu"`` (the default) or ``"cuda"``
+        (``tract.runtime_for_name("cuda")``): the lowering table's order and device checks
+        follow it (gdn_fx.lowering.table, CUDA_ORDER). A candidate tract would run on the CPU
+        under CUDA is taken only when nothing that stays on the GPU serves the node, with a
+        warning on logger "gdn_fx.lowering"; the NNEF records the runtime (property
+        "gdn_fx_runtime", ``gdn_fx.tract_check.read_runtime``) and such nodes
+        ("gdn_fx_cpu_fallback"). Another value raises UsageError.
+
     An input that no node reads stays an input of the NNEF, at its place, with its shape
     and dtype (tract ignores its value).
 
@@ -82,4 +90,4 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
         _refuse_unrolled(program)
     return write_nnef(program, path, tract_version=tract_version, dynamic_axes=dynamic_axes,
                       input_names=input_names, output_names=output_names, choose=choose,
-                      symbol_min=symbol_min, weights=weights)
+                      symbol_min=symbol_min, weights=weights, runtime=runtime)

@@ -37,6 +37,7 @@ class Job:
     # generation-ready artifact: "reify" (export_generator) or "generalize" (plain exports at
     # fixed (S, P), collapsed and generalized: gdn_fx.hf.generalized)
     route: str = "reify"
+    runtime: str = "cpu"  # the tract runtime the NNEF is lowered for: cpu or cuda (export_nnef)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Report:
     checks: dict = field(default_factory=dict)  # seq len -> max relative error (dynamic S)
     checks_ok: bool = True
     seconds: dict = field(default_factory=dict)
+    checked_on: str = "cpu"  # the tract runtime the check ran on (and why, when not the target's)
 
     @property
     def ok(self) -> bool:
@@ -263,12 +265,13 @@ def _lower(job: Job, step, program, report: Report, say: Callable, dynamic=None,
     from gdn_fx import tract_check
     from gdn_fx.lowering import plan_lowering
 
-    report.decisions = [str(d) for d in plan_lowering(program, dynamic_axes=dynamic)]
+    report.decisions = [str(d) for d in plan_lowering(program, dynamic_axes=dynamic,
+                                                      runtime=job.runtime)]
     job.out.parent.mkdir(parents=True, exist_ok=True)
     with _timed(report, "nnef", say, f"NNEF through torch-to-nnef -> {job.out}"):
         path = gdn_fx.export_nnef(program, job.out, dynamic_axes=dynamic,
                                   input_names=step.input_names, output_names=step.output_names,
-                                  weights=job.weights)
+                                  weights=job.weights, runtime=job.runtime)
     report.nnef_path, report.nnef_bytes = path, path.stat().st_size
     report.nnef_ops = _nnef_ops(path)
     args = step.example_inputs(seq_len=seq_len or job.seq_len)
@@ -279,10 +282,25 @@ def _lower(job: Job, step, program, report: Report, say: Callable, dynamic=None,
         from gdn_fx.hf.generator import with_stored_weights
 
         step = DecodeStep(with_stored_weights(step.model, path), rule=step.rule)
-    with _timed(report, "tract", say, "tract: load, optimize, run, compare with eager"):
-        found = tract_check.compare(path, step.eager(*args), args, tolerance=bound)
+    runtime, report.checked_on = _check_runtime(job.runtime)
+    with _timed(report, "tract", say, f"tract ({runtime}): load, optimize, run, compare with "
+                "eager"):
+        found = tract_check.compare(path, step.eager(*args), args, tolerance=bound,
+                                    runtime=runtime)
     report.errors = dict(zip(step.output_names, found.errors))
     report.tolerances = dict(zip(step.output_names, found.tolerances))
+
+
+def _check_runtime(runtime: str) -> tuple[str, str]:
+    """(the runtime the check runs on, how the report says it): the export's own runtime,
+    or the CPU runtime, saying why, when this machine has no such runtime (the NNEF is the
+    same file: what the CPU computes is what it must compute)."""
+    from gdn_fx import tract_check
+
+    missing = tract_check.runtime_unavailable(runtime)
+    if missing is None:
+        return runtime, runtime
+    return "cpu", f"cpu, not {runtime} ({missing})"
 
 
 def _calls(program) -> int:
@@ -306,7 +324,8 @@ def render(report: Report) -> str:
     lines.append(f"nnef: {report.nnef_path} ({report.nnef_ops} ops, {report.nnef_bytes} bytes)")
     worst = max(report.errors.values(), default=0.0)
     lines.append(f"tract vs eager: max relative error {worst:.2e} over "
-                 f"{len(report.errors)} outputs (bound {max(report.tolerances.values()):g})")
+                 f"{len(report.errors)} outputs (bound {max(report.tolerances.values()):g})"
+                 f"; tract runtime {report.checked_on}")
     lines += [f"  {name}: {err:.2e}" for name, err in report.errors.items()]
     lines += [f"tract at S={s}: max relative error {e:.2e}" for s, e in report.checks.items()]
     lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items()))

@@ -1,9 +1,13 @@
 """Load and run an NNEF export in the real tract engine (Python package) and compare with torch.
 
     runnable = load(path)                      # tract.nnef().with_tract_transformers()...
+    runnable = load(path, runtime="cuda")      # ... prepared by tract's CUDA runtime
     outputs = run(path_or_runnable, inputs)    # numpy arrays, one per NNEF output
     report = compare(path, torch_outputs, inputs)   # max relative error per output
     read_decisions(path)                       # {node: candidate} recorded by export_nnef
+    read_runtime(path)                         # "cpu" or "cuda", as export_nnef was told
+    read_cpu_fallbacks(path)                   # nodes that run on the CPU under that runtime
+    runtime_unavailable("cuda")                # why tract has no such runtime here, or None
 
 The relative error of an output is ``max|tract - torch| / max|torch|``; the default tolerance
 is 1e-4 when the torch output is f32 (or f64) and 1e-3 when it is f16.
@@ -22,17 +26,45 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from gdn_fx.errors import DTypeError, MissingFile, ShapeError
+from gdn_fx.errors import DTypeError, MissingFile, RuntimeUnavailable, ShapeError
+from gdn_fx.lowering.target import check_runtime
 
 TOLERANCE = {torch.float16: 1e-3, torch.float32: 1e-4, torch.float64: 1e-4}
 _DECISIONS = re.compile(r'\(\s*"gdn_fx_lowering"\s*,\s*"([^"]*)"\s*\)')
+_RUNTIME = re.compile(r'\(\s*"gdn_fx_runtime"\s*,\s*"([^"]*)"\s*\)')
+_FALLBACKS = re.compile(r'\(\s*"gdn_fx_cpu_fallback"\s*,\s*"([^"]*)"\s*\)')
 
 
-def load(path: Union[str, Path]):
-    """The NNEF at ``path`` (folder, .tar or .tgz) loaded and optimized by tract."""
+def runtime_unavailable(runtime: str) -> Optional[str]:
+    """Why tract has no ``runtime`` ("cpu" or "cuda") on this machine (None: it has).
+
+    tract's CUDA runtime loads the driver, cuBLAS and NVRTC when it is asked for; with no
+    GPU (or no driver) the lookup fails, and that failure is the answer."""
     import tract
 
-    return tract.nnef().with_tract_transformers().load(str(path)).into_runnable()
+    if check_runtime(runtime) == "cpu":
+        return None
+    try:
+        tract.runtime_for_name(runtime)
+    except tract.TractError as error:
+        text = " ".join(str(error).split("Stack backtrace")[0].split())  # tract's own words
+        return f"tract has no {runtime} runtime here: {text}"
+    return None
+
+
+def load(path: Union[str, Path], runtime: str = "cpu"):
+    """The NNEF at ``path`` (folder, .tar or .tgz) loaded and optimized by tract for
+    ``runtime``: "cpu" (``into_runnable``) or "cuda" (``runtime_for_name("cuda").prepare``).
+    RuntimeUnavailable when tract has no such runtime here."""
+    import tract
+
+    model = tract.nnef().with_tract_transformers().load(str(path))
+    if check_runtime(runtime) == "cpu":
+        return model.into_runnable()
+    missing = runtime_unavailable(runtime)
+    if missing is not None:
+        raise RuntimeUnavailable(missing)
+    return tract.runtime_for_name(runtime).prepare(model)
 
 
 def _numpy(x) -> np.ndarray:
@@ -43,10 +75,11 @@ def _numpy(x) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def run(model, inputs: Sequence) -> list[np.ndarray]:
-    """Run a path, a tract runnable, or a tract State on torch tensors or numpy arrays."""
+def run(model, inputs: Sequence, runtime: str = "cpu") -> list[np.ndarray]:
+    """Run a path (loaded for ``runtime``), a tract runnable, or a tract State on torch
+    tensors or numpy arrays."""
     if isinstance(model, (str, Path)):
-        model = load(model)
+        model = load(model, runtime)
     return [t.to_numpy() for t in model.run([_numpy(x) for x in inputs])]
 
 
@@ -78,9 +111,10 @@ class Comparison:
 
 
 def compare(model, want: Sequence[torch.Tensor], inputs: Sequence,
-            tolerance: Optional[float] = None) -> Comparison:
-    """Run ``model`` in tract on ``inputs`` and compare each output with ``want`` (torch)."""
-    got = run(model, inputs)
+            tolerance: Optional[float] = None, runtime: str = "cpu") -> Comparison:
+    """Run ``model`` in tract (a path is loaded for ``runtime``) on ``inputs`` and compare
+    each output with ``want`` (torch)."""
+    got = run(model, inputs, runtime)
     if len(got) != len(want):
         raise ShapeError(f"tract returned {len(got)} outputs, torch {len(want)}")
     for g, w in zip(got, want):
@@ -102,6 +136,20 @@ def nnef_text(path: Union[str, Path]) -> str:
             if Path(member.name).name == "graph.nnef":
                 return io.TextIOWrapper(archive.extractfile(member), encoding="utf8").read()
     raise MissingFile(f"no graph.nnef in {path}")
+
+
+def read_runtime(path: Union[str, Path]) -> str:
+    """The runtime ("cpu" or "cuda") an export was lowered for; "cpu" for exports that
+    predate the property (they were all lowered for the CPU)."""
+    match = _RUNTIME.search(nnef_text(path))
+    return match.group(1) if match else "cpu"
+
+
+def read_cpu_fallbacks(path: Union[str, Path]) -> list[str]:
+    """The fused nodes whose candidate runs on the CPU under the export's runtime (recorded
+    by ``gdn_fx.export_nnef``; empty for the CPU runtime and when every node stays)."""
+    match = _FALLBACKS.search(nnef_text(path))
+    return [name for name in match.group(1).split(";") if name] if match else []
 
 
 def read_decisions(path: Union[str, Path]) -> dict[str, str]:

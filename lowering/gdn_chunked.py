@@ -44,7 +44,7 @@ MAX_UNROLLED_CHUNKS = 16
 LEAF = 16  # diagonal blocks of this width are inverted by the product form
 
 
-def _shared_reason(facts: ScanFacts) -> Optional[str]:
+def shared_reason(facts: ScanFacts) -> Optional[str]:
     if facts.kda:
         return ("KDA (per-key) gate: the chunked form needs a [C, C, Dk] decay per chunk; "
                 "'matmul' serves KDA")
@@ -56,7 +56,7 @@ def _shared_reason(facts: ScanFacts) -> Optional[str]:
 
 def check(facts: ScanFacts, target: Target) -> Optional[str]:
     """Why the scan-over-chunks form can not serve this node (None: it can)."""
-    return _shared_reason(facts)
+    return shared_reason(facts)
 
 
 def check_unrolled(facts: ScanFacts, target: Target) -> Optional[str]:
@@ -67,7 +67,7 @@ def check_unrolled(facts: ScanFacts, target: Target) -> Optional[str]:
     if chunks > MAX_UNROLLED_CHUNKS:
         return (f"S={facts.seq} is {chunks} chunks of {CHUNK}, more than the "
                 f"{MAX_UNROLLED_CHUNKS} written out at most; 'chunked' loops over them")
-    return _shared_reason(facts)
+    return shared_reason(facts)
 
 
 def chunk_size(seq: int) -> int:

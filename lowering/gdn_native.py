@@ -16,6 +16,13 @@ operators, release by release"):
   Its output takes q's dtype; the op contract wants promote(q, state), so a cast follows.
 
 A f16 log decay is cast to f32 on the way in (a lossless widening).
+
+Under tract's CUDA runtime (0.23.9, measured with bench/bench_cuda.py on an H200) the operator
+has a CUDA kernel only for f16 q/k/v/beta with an f32 state, width 128, batch 1
+(``device_reason``); other dtypes and batches run the CPU operator (a scalar loop, 20-50x
+slower), and f16 operands of another width reach the kernel and FAIL at run time (``check``
+refuses them under CUDA). Inside them the kernel is a
+step loop: fastest at S = 1, slower than "chunked_parallel" for static prefill (``suits``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,54 @@ FIRST_WIDTH = 128
 FIRST_DTYPES = {("f16", "f16", "f16", "f16", "f32")}
 WIDE_DTYPES = {("f32",) * 5, ("f16", "f16", "f16", "f16", "f32"), ("f16",) * 5}
 _STEP_OPERANDS = ("q", "k", "v", "beta", "initial_state")
+
+
+# The CUDA kernel's limits, tract 0.23.9 (bench/bench_cuda.py --probe on an H200).
+CUDA_WIDTH = 128
+CUDA_BATCH = 1
+CUDA_OPERAND_DTYPE = "f16"  # q, k, v, beta
+CUDA_STATE_DTYPE = "f32"  # an f16 state runs on the CPU
+# Static S from which "chunked_parallel" beat the kernel (bench/bench_cuda.py: 0.79x at
+# S = 256, 0.50x at 512; a tie at 128, 1.55x slower at 64).
+CUDA_CHUNKED_FROM = 256
+
+
+def _cuda_width_reason(facts: ScanFacts, target: Target) -> Optional[str]:
+    """Under CUDA, tract 0.23.9 gives f16 operands of any width to its kernel, which then
+    fails at run time ("the Qwen3.5 kernel currently requires width=128"): refused."""
+    if target.runtime == "cuda" and facts.dk != CUDA_WIDTH and \
+            facts.dtypes["q"] == CUDA_OPERAND_DTYPE:
+        return (f"under CUDA tract runs the op with its kernel, which fails for width "
+                f"{facts.dk} (it requires {CUDA_WIDTH})")
+    return None
+
+
+def device_reason(facts: ScanFacts, target: Target) -> Optional[str]:
+    """Why tract would run the operator on the CPU under the target's runtime (None: it
+    stays on the device): under CUDA, outside its kernel's dtypes and batch."""
+    if target.runtime != "cuda":
+        return None
+    operands = {name: facts.dtypes[name] for name in ("q", "k", "v", "beta", "initial_state")}
+    wanted = dict.fromkeys(("q", "k", "v", "beta"), CUDA_OPERAND_DTYPE) | {
+        "initial_state": CUDA_STATE_DTYPE}
+    if operands != wanted:
+        return f"the CUDA kernel takes {wanted}; node has {operands}"
+    if facts.dk != CUDA_WIDTH:
+        return f"the CUDA kernel needs width {CUDA_WIDTH}; node has {facts.dk}"
+    if facts.batch != CUDA_BATCH:
+        batch = "a symbolic batch" if facts.batch is None else f"batch {facts.batch}"
+        return f"the CUDA kernel serves batch {CUDA_BATCH}; node has {batch}"
+    return None
+
+
+def suits(facts: ScanFacts, target: Target) -> Optional[str]:
+    """Under CUDA the kernel's step loop loses to "chunked_parallel" for static prefill."""
+    if target.runtime != "cuda" or target.dynamic or facts.seq is None:
+        return None
+    if facts.seq >= CUDA_CHUNKED_FROM:
+        return (f"static S={facts.seq} >= {CUDA_CHUNKED_FROM}: 'chunked_parallel' measured "
+                "faster than the CUDA kernel's step loop (bench/bench_cuda.py)")
+    return None
 
 
 def native_gdn_min_version() -> str:
@@ -95,7 +150,8 @@ def check(facts: ScanFacts, target: Target) -> Optional[str]:
         return reason
     if not target.at_least(WIDE_VERSION):
         return _first_form_reason(facts, target)
-    return _dtype_reason(facts, WIDE_DTYPES, target.version_text)
+    return _dtype_reason(facts, WIDE_DTYPES, target.version_text) or \
+        _cuda_width_reason(facts, target)
 
 
 def emit(ctx: EmitContext) -> list:

@@ -24,15 +24,21 @@ def plan(module: fx.GraphModule, target: Target,
 
 def plan_lowering(program: Program, *, tract_version: str = "0.23.9",
                   dynamic_axes: Optional[Mapping] = None,
-                  choose: Optional[Mapping] = None) -> list[Decision]:
+                  choose: Optional[Mapping] = None, runtime: str = "cpu") -> list[Decision]:
     """What ``gdn_fx.export_nnef`` would emit for each fused node, without exporting.
 
     Same arguments as ``export_nnef``; returns the decisions (print them for a table).
     """
-    target = Target.parse(tract_version, dynamic=bool(dynamic_axes))
+    target = Target.parse(tract_version, dynamic=bool(dynamic_axes), runtime=runtime)
     return plan(source_module(program), target, choose)
 
 
 def summary(decisions: list[Decision]) -> str:
     """``node=candidate;node=candidate`` (recorded in the exported NNEF's properties)."""
     return ";".join(f"{d.node}={d.candidate}" for d in decisions)
+
+
+def fallbacks(decisions: list[Decision]) -> str:
+    """``node;node``: the nodes whose candidate runs on the CPU under the target's runtime
+    (recorded in the NNEF as "gdn_fx_cpu_fallback"; empty when every node stays)."""
+    return ";".join(d.node for d in decisions if d.note)

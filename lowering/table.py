@@ -20,6 +20,18 @@ B=1, 16 heads of 128; bench/bench_conv.py: 6144 channels, K=4). By shape class:
   than "portable", whose time at S = 64 swings between 1.5 and 9 ms from run to run, and ~9x
   faster than the native operator).
 The native operators (and "scan") stay as fallbacks and can be forced with ``choose``.
+
+Under tract's CUDA runtime (``Target.runtime == "cuda"``) the candidates are tried in
+``CUDA_ORDER``, measured with bench/bench_cuda.py on an H200 (same layer core, f16 q/k/v/beta
+with f32 gate and state; figures in bench/RESULTS.md):
+- the native operator's CUDA kernel serves decode S = 1 and symbolic S (its CUDA limits are
+  its ``device`` check: f16 q/k/v/beta, width 128, batch 1);
+- static S >= 2: "chunked_parallel" (every chunk at once, log-depth state pass);
+- a candidate whose ops tract runs on the CPU there (every ``tract_core_scan``: "chunked",
+  "matmul", "scan"; the native operator outside its kernel's limits) is DEMOTED: it is taken
+  only when nothing that stays on the GPU accepts the node, and the decision says so (logged
+  as a warning, kept in ``Decision.note`` and in the NNEF property "gdn_fx_cpu_fallback").
+The conv update keeps the CPU order on CUDA (not measured there).
 """
 
 from __future__ import annotations
@@ -29,8 +41,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from gdn_fx.errors import LoweringUnsupported, UnknownName
-from gdn_fx.lowering import (conv_native, conv_portable, gdn_chunked, gdn_matmul, gdn_native,
-                             gdn_scan)
+from gdn_fx.lowering import (conv_native, conv_portable, gdn_chunked, gdn_chunked_parallel,
+                             gdn_matmul, gdn_native, gdn_scan)
 from gdn_fx.lowering.choice import Choice
 from gdn_fx.lowering.facts import ConvFacts, ScanFacts, describe
 from gdn_fx.lowering.target import Target
@@ -44,22 +56,35 @@ Facts = Union[ScanFacts, ConvFacts]
 class Candidate:
     """One way to write a fused op in NNEF. ``check``: why it can not serve a node (None: it
     can). ``suits``: why it is not the measured choice for the node's shape class although it
-    could serve it (skipped by default, still taken when ``choose`` forces it)."""
+    could serve it (skipped by default, still taken when ``choose`` forces it). ``device``:
+    why, under the target's runtime, tract would run it on the CPU (None: it stays on the
+    device); such a candidate is demoted behind every one that stays."""
 
     name: str
     check: Callable[[Facts, Target], Optional[str]]
     emit: Callable
     suits: Optional[Callable[[Facts, Target], Optional[str]]] = None
+    device: Optional[Callable[[Facts, Target], Optional[str]]] = None
+
+
+def _on_cpu_under_cuda(facts: Facts, target: Target) -> Optional[str]:
+    """The ``device`` check of a candidate built on tract_core_scan (bench/bench_cuda.py)."""
+    if target.runtime == "cuda":
+        return "its tract_core_scan has no CUDA kernel: tract runs the loop on the CPU"
+    return None
 
 
 TABLE: dict[str, tuple[Candidate, ...]] = {
-    "gated_delta_scan": (  # order measured with bench/bench_gdn_fast.py (see above)
+    "gated_delta_scan": (  # CPU order measured with bench/bench_gdn_fast.py (see above)
         Candidate("matmul_step", gdn_matmul.check_step, gdn_matmul.emit_step),
         Candidate("chunked_unrolled", gdn_chunked.check_unrolled, gdn_chunked.emit_unrolled),
-        Candidate("chunked", gdn_chunked.check, gdn_chunked.emit),
-        Candidate("matmul", gdn_matmul.check, gdn_matmul.emit),
-        Candidate("native", gdn_native.check, gdn_native.emit),
-        Candidate("scan", gdn_scan.check, gdn_scan.emit),
+        Candidate("chunked", gdn_chunked.check, gdn_chunked.emit, device=_on_cpu_under_cuda),
+        Candidate("matmul", gdn_matmul.check, gdn_matmul.emit, device=_on_cpu_under_cuda),
+        Candidate("native", gdn_native.check, gdn_native.emit, suits=gdn_native.suits,
+                  device=gdn_native.device_reason),
+        Candidate("scan", gdn_scan.check, gdn_scan.emit, device=_on_cpu_under_cuda),
+        Candidate("chunked_parallel", gdn_chunked_parallel.check, gdn_chunked_parallel.emit,
+                  suits=gdn_chunked_parallel.suits),
     ),
     "causal_conv1d_update": (  # order measured with bench/bench_conv.py (see above)
         Candidate("depthwise", conv_portable.check, conv_portable.emit_depthwise,
@@ -68,6 +93,21 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
         Candidate("native", conv_native.check, conv_native.emit),
     ),
 }
+
+
+# The order under tract's CUDA runtime (bench/bench_cuda.py on an H200; see above).
+CUDA_ORDER: dict[str, tuple[str, ...]] = {
+    "gated_delta_scan": ("native", "chunked_parallel", "matmul_step", "chunked_unrolled",
+                         "chunked", "matmul", "scan"),
+    "causal_conv1d_update": ("depthwise", "portable", "native"),
+}
+
+
+def ordered(op: str, target: Target) -> tuple[Candidate, ...]:
+    """The candidates of ``op`` in the order of the target's runtime."""
+    if target.runtime != "cuda":
+        return TABLE[op]
+    return tuple(candidate(op, name) for name in CUDA_ORDER[op])
 
 
 def candidate_names() -> dict[str, tuple[str, ...]]:
@@ -92,12 +132,14 @@ class Decision:
     candidate: str
     rejected: tuple[tuple[str, str], ...] = ()
     forced: bool = False
+    note: str = ""  # set when the candidate leaves the target's device (runs on the CPU)
 
     def __str__(self) -> str:
         why = "; ".join(f"{name}: {reason}" for name, reason in self.rejected)
         if not why:
             why = "forced by choose" if self.forced else "first in the table, accepted"
-        return f"{self.node} [{self.op}] -> {self.candidate}  ({why})"
+        note = f"  [{self.note}]" if self.note else ""
+        return f"{self.node} [{self.op}] -> {self.candidate}  ({why}){note}"
 
 
 def _reject(facts: Facts, name: str, reason: str) -> tuple[str, str]:
@@ -105,28 +147,58 @@ def _reject(facts: Facts, name: str, reason: str) -> tuple[str, str]:
     return name, reason
 
 
+def _screen(entry: Candidate, facts: Facts, target: Target, choice: Choice,
+            forced: Optional[str]) -> Optional[str]:
+    """Why ``entry`` is not taken for this node (None: it is), before any device question."""
+    if entry.name in choice.forbidden(facts.node, facts.op):
+        return "forbidden by choose"
+    if forced is not None and entry.name != forced:
+        return f"choose forces {forced}"
+    reason = entry.check(facts, target)
+    if reason is None and forced is None and entry.suits is not None:
+        reason = entry.suits(facts, target)
+    return reason
+
+
+def _accept(facts: Facts, entry: Candidate, rejected: list, forced: bool,
+            note: str = "") -> Decision:
+    decision = Decision(facts.node, facts.op, entry.name, tuple(rejected), forced, note)
+    if note:
+        LOGGER.warning("lowering %s", decision)
+    else:
+        LOGGER.info("lowering %s", decision)
+    return decision
+
+
 def decide(facts: Facts, target: Target, choice: Optional[Choice] = None) -> Decision:
-    """The first acceptable candidate for one node; LoweringUnsupported when none is."""
+    """The first acceptable candidate for one node; LoweringUnsupported when none is.
+
+    A candidate that tract would run on the CPU under the target's runtime (its ``device``
+    check) is passed over while any later one stays on the device; when none does, the demoted
+    one first in the CPU order (``TABLE``) is taken, and its decision carries the reason as
+    ``note``."""
     choice = choice or Choice()
     forced = choice.forced(facts.node, facts.op)
     if forced not in candidate_names()[facts.op]:
         forced = None  # a "*" value naming another op's candidate
-    forbidden = choice.forbidden(facts.node, facts.op)
-    rejected = []
-    for entry in TABLE[facts.op]:
-        if entry.name in forbidden or (forced is not None and entry.name != forced):
-            why = "forbidden by choose" if entry.name in forbidden else f"choose forces {forced}"
-            rejected.append(_reject(facts, entry.name, why))
-            continue
-        reason = entry.check(facts, target)
-        if reason is None and forced is None and entry.suits is not None:
-            reason = entry.suits(facts, target)
+    rejected, demoted = [], []
+    for entry in ordered(facts.op, target):
+        reason = _screen(entry, facts, target, choice, forced)
+        if reason is None and entry.device is not None:
+            off_device = entry.device(facts, target)
+            if off_device is not None:
+                note = f"runs on the CPU under tract's {target.runtime} runtime: {off_device}"
+                demoted.append((entry, note))
+                reason = f"demoted: {note}"
         if reason is None:
-            decision = Decision(facts.node, facts.op, entry.name, tuple(rejected),
-                                forced is not None)
-            LOGGER.info("lowering %s", decision)
-            return decision
+            return _accept(facts, entry, rejected, forced is not None)
         rejected.append(_reject(facts, entry.name, reason))
+    if demoted:  # they all run on the CPU: the CPU order decides between them
+        entry, note = min(demoted, key=lambda pair: TABLE[facts.op].index(pair[0]))
+        kept = [(name, why) for name, why in rejected if name != entry.name]
+        return _accept(facts, entry, kept, forced is not None, note)
     reasons = "; ".join(f"{name}: {why}" for name, why in rejected)
+    runtime = "" if target.runtime == "cpu" else f" ({target.runtime} runtime)"
     raise LoweringUnsupported(f"node '{facts.node}' ({facts.op}, {describe(facts)}) on tract "
-                              f"{target.version_text}: no candidate accepts it ({reasons})")
+                              f"{target.version_text}{runtime}: no candidate accepts it "
+                              f"({reasons})")

@@ -1,7 +1,8 @@
-"""The export target: which tract release the NNEF is for, and whether axes are symbolic.
+"""The export target: which tract release the NNEF is for, whether axes are symbolic, and which
+tract runtime runs it ("cpu", the default, or "cuda": ``tract.runtime_for_name("cuda")``).
 
-What tract's native operators accept changed across releases, so every lowering check reads
-the target. Versions compare as integer tuples: ``Target.parse("0.23.9").version == (0, 23, 9)``.
+What tract's native operators accept changed across releases, and what runs fast (or runs on
+the GPU at all) differs between runtimes, so every lowering check reads the target. Versions compare as integer tuples: ``Target.parse("0.23.9").version == (0, 23, 9)``.
 """
 
 from __future__ import annotations
@@ -29,23 +30,37 @@ def version_text(version: tuple[int, int, int]) -> str:
 
 
 DYNAMIC_ATTRIBUTE = "gdn_fx_dynamic"  # set on a torch-to-nnef target by export_nnef
+RUNTIME_ATTRIBUTE = "gdn_fx_runtime"  # likewise; also the NNEF property naming the runtime
+RUNTIMES = ("cpu", "cuda")
+
+
+def check_runtime(runtime: str) -> str:
+    """``runtime`` if it is one gdn-fx lowers for ("cpu", "cuda"), else UsageError."""
+    if runtime not in RUNTIMES:
+        raise UsageError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    return runtime
 
 
 @dataclass(frozen=True)
 class Target:
-    """A tract release and whether the export declares symbolic (dynamic) axes.
+    """A tract release, whether the export declares symbolic (dynamic) axes, and the runtime.
 
     ``dynamic`` is True when any input axis is declared symbolic: a lowering then cannot rely
-    on the traced extent of an axis (a node traced at S=1 may run at any S).
+    on the traced extent of an axis (a node traced at S=1 may run at any S). ``runtime`` is
+    "cpu" or "cuda" (the table's order and device checks follow it).
     """
 
     version: tuple[int, int, int]
     dynamic: bool = False
+    runtime: str = "cpu"
+
+    def __post_init__(self):
+        check_runtime(self.runtime)
 
     @classmethod
-    def parse(cls, version: str, dynamic: bool = False) -> "Target":
+    def parse(cls, version: str, dynamic: bool = False, runtime: str = "cpu") -> "Target":
         """Build a target from a version string such as ``"0.23.9"``."""
-        return cls(parse_version(version), dynamic)
+        return cls(parse_version(version), dynamic, runtime)
 
     def at_least(self, version: str) -> bool:
         """True when this target's tract is ``version`` or newer."""
@@ -71,4 +86,5 @@ def as_target(target) -> Target:
     dynamic = getattr(target, DYNAMIC_ATTRIBUTE, None)
     if dynamic is None:
         dynamic = bool(getattr(target, "dynamic_axes", None))
-    return Target.parse(version.to_str(), dynamic=dynamic)
+    runtime = getattr(target, RUNTIME_ATTRIBUTE, "cpu")
+    return Target.parse(version.to_str(), dynamic=dynamic, runtime=runtime)

@@ -20,7 +20,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 
 from gdn_fx.errors import ExportRefused, UsageError
-from gdn_fx.lowering.plan import plan, summary
+from gdn_fx.lowering.plan import fallbacks, plan, summary
 from gdn_fx.lowering.t2n import program as prog
 from gdn_fx.lowering.t2n.bridge import to_bridge
 from gdn_fx.lowering.t2n.dynamic_axes import frozen_axes, refuse_frozen_axes
@@ -31,7 +31,7 @@ from gdn_fx.lowering.t2n.scan_reset import needs_reset, reset_cumsum_scans
 from gdn_fx.lowering.t2n.unused_inputs import (declare_unused, drop_unused, rewrite_graph_file,
                                                unused_inputs)
 from gdn_fx.lowering.t2n.weights import apply_weights, check_format
-from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE, Target
+from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE, RUNTIME_ATTRIBUTE, Target, check_runtime
 
 PLUGIN = "gdn_fx.lowering.t2n.plugin"
 
@@ -41,9 +41,11 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
                input_names: Optional[Sequence[str]] = None,
                output_names: Optional[Sequence[str]] = None,
                choose: Optional[Mapping] = None,
-               symbol_min: Optional[Mapping[str, int]] = None, weights: str = "f32") -> Path:
+               symbol_min: Optional[Mapping[str, int]] = None, weights: str = "f32",
+               runtime: str = "cpu") -> Path:
     """Write ``program`` as tract NNEF; the arguments are ``gdn_fx.export_nnef``'s."""
     check_format(weights)
+    check_runtime(runtime)
     path = Path(path)
     writer_path, compression = _writer_settings(path)
     module = prog.traceable_module(program)
@@ -51,7 +53,8 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
     # Sizes may differ from the traced ones at run time only where a declared dynamic axis is
     # static in the program; axes the program holds symbolic are vouched for by torch.export,
     # and its static sizes then stay what they are (a decode graph's S = 1 beside a symbolic P).
-    target = Target.parse(tract_version, dynamic=bool(frozen_axes(module, dynamic_axes, names)))
+    target = Target.parse(tract_version, dynamic=bool(frozen_axes(module, dynamic_axes, names)),
+                          runtime=runtime)
     prog.refuse_bfloat16(module)
     moe, choose = split_choice(choose)  # choose["transformers_moe"], not a table entry
     if moe == FUSED:  # before the fixes: what is left of a block becomes plain ops (moe.py)
@@ -113,8 +116,11 @@ def _write(module, writer_path: Path, compression: Optional[int], target: Target
     t2n_axes = {k: v for k, v in (dynamic_axes or {}).items() if k not in skipped}
     t2n_target = offline_tract_target(target.version_text, t2n_axes,
                                       {"gdn_fx_lowering": summary(decisions),
-                                       "gdn_fx_weights": weights})
+                                       "gdn_fx_weights": weights,
+                                       RUNTIME_ATTRIBUTE: target.runtime,
+                                       "gdn_fx_cpu_fallback": fallbacks(decisions)})
     setattr(t2n_target, DYNAMIC_ATTRIBUTE, target.dynamic)  # emission re-checks against it
+    setattr(t2n_target, RUNTIME_ATTRIBUTE, target.runtime)
     # Symbols are extents (>= 1 unless told); without saying so tract keeps slower generic ops.
     symbols = sorted({str(s) for axes in (dynamic_axes or {}).values()
                       for s in (axes.values() if isinstance(axes, Mapping) else [])})

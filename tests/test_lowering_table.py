@@ -52,7 +52,8 @@ def target(version, dynamic=False):
 F16_STATE = dict(DECODE_F16, initial_state="f16")
 
 # The table order, written out here (not read from the code under test).
-GDN_ORDER = ("matmul_step", "chunked_unrolled", "chunked", "matmul", "native", "scan")
+GDN_ORDER = ("matmul_step", "chunked_unrolled", "chunked", "matmul", "native", "scan",
+             "chunked_parallel")  # the last: measured for the CUDA runtime only
 CONV_ORDER = ("depthwise", "portable", "native")
 FAST = ["matmul_step", "chunked_unrolled", "chunked", "matmul"]
 ONLY_NATIVE_OR_SCAN = Choice.parse({"forbid": FAST})

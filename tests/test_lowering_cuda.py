@@ -1,0 +1,174 @@
+"""The lowering table under tract's CUDA runtime: which candidate each node gets, what is
+demoted (runs on the CPU there) and why, and what an export records. Pure table checks plus
+exports run by the CPU tract: no GPU needed (tests/test_cuda_runtime.py runs on the GPU).
+
+Expected candidates are written by hand from the measurements on an H200
+(bench/bench_cuda.py, bench/RESULTS.md): the native operator's CUDA kernel takes f16
+q/k/v/beta with an f32 state, width 128, batch 1 (other dtypes and batches run on the CPU;
+f16 of another width fails at run time); "chunked_parallel" beats it from static S = 256;
+every tract_core_scan runs on the CPU. The oracle of numerics is the float64 recurrence.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from gdn_fx import tract_check
+from gdn_fx.cli import main
+from gdn_fx.errors import RuntimeUnavailable, UsageError
+from gdn_fx.export import export_nnef
+from gdn_fx.lowering import Target, decide
+from gdn_fx.lowering.choice import Choice
+from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.lowering.target import as_target
+from lowering_programs import SCAN_NAMES, scan_inputs
+from test_lowering_fast import Fused, check_run
+
+F16 = dict(q="f16", k="f16", v="f16", g="f32", beta="f16", initial_state="f32")
+F32 = dict.fromkeys(F16, "f32")
+F16_STATE = dict(F16, initial_state="f16")
+CPU_LOOP = "runs on the CPU under tract's cuda runtime"
+
+
+def facts(s=1, b=1, dk=128, dtypes=F16, kda=False) -> ScanFacts:
+    shapes = dict(q=(b, s, 16, dk), k=(b, s, 16, dk), v=(b, s, 16, dk),
+                  g=(b, s, 16, dk) if kda else (b, s, 16), beta=(b, s, 16),
+                  initial_state=(b, 16, dk, dk))
+    return ScanFacts("n", shapes, dict(dtypes), dk ** -0.5, True)
+
+
+def cuda(dynamic=False) -> Target:
+    return Target.parse("0.23.9", dynamic, runtime="cuda")
+
+
+# (facts, dynamic, expected candidate, demoted: the decision says it runs on the CPU)
+CUDA_TABLE = [
+    (facts(s=1), False, "native", False),           # decode: the CUDA kernel
+    (facts(s=64), False, "native", False),          # short prefill: the kernel still wins
+    (facts(s=255), False, "native", False),
+    (facts(s=256), False, "chunked_parallel", False),
+    (facts(s=4096), False, "chunked_parallel", False),
+    (facts(s=None), True, "native", False),         # symbolic S: only the kernel stays
+    (facts(s=1, dtypes=F32), False, "matmul_step", False),  # f32: no kernel
+    (facts(s=512, dtypes=F32), False, "chunked_parallel", False),
+    (facts(s=None, dtypes=F32), True, "chunked", True),     # every other loop is a scan
+    (facts(s=None, dtypes=F16_STATE), True, "chunked", True),
+    (facts(s=None, b=2), True, "chunked", True),    # batch 2: the CPU operator
+    (facts(s=1, dk=64), False, "matmul_step", False),  # width 64: the kernel would fail
+    (facts(s=None, dk=64), True, "chunked", True),
+    (facts(s=512, kda=True), False, "matmul", True),   # KDA: only matmul and scan serve it
+]
+
+
+@pytest.mark.parametrize("node, dynamic, expected, demoted", CUDA_TABLE)
+def test_cuda_table(node, dynamic, expected, demoted):
+    decision = decide(node, cuda(dynamic))
+    print(decision)
+    assert decision.candidate == expected
+    assert (CPU_LOOP in decision.note) == demoted
+    assert all(name != expected for name, _ in decision.rejected)
+
+
+def test_demoted_native_gives_its_reason_and_cpu_order_breaks_ties():
+    decision = decide(facts(s=None, dtypes=F32), cuda(True))
+    rejected = dict(decision.rejected)
+    assert rejected["native"].startswith(f"demoted: {CPU_LOOP}: the CUDA kernel takes")
+    assert rejected["matmul"].startswith(f"demoted: {CPU_LOOP}: its tract_core_scan")
+    # chunked (400 ms at S = 4096 on the CPU) is taken before native (2.6 s) and matmul
+    assert decision.candidate == "chunked" and "tract_core_scan" in decision.note
+
+
+def test_native_of_width_64_is_refused_not_demoted_under_cuda():
+    reason = dict(decide(facts(s=None, dk=64), cuda(True)).rejected)["native"]
+    assert "fails for width 64" in reason and not reason.startswith("demoted")
+    assert decide(facts(s=None, dk=64), Target.parse("0.23.9", True)).candidate == "chunked"
+
+
+def test_forced_scan_candidate_under_cuda_is_taken_with_its_note():
+    decision = decide(facts(s=512), cuda(), Choice.parse({"*": "chunked"}))
+    assert decision.candidate == "chunked" and decision.forced
+    assert CPU_LOOP in decision.note and CPU_LOOP in str(decision)
+
+
+def test_demoted_decision_is_logged_as_a_warning(caplog):
+    with caplog.at_level(logging.INFO, logger="gdn_fx.lowering"):
+        decide(facts(s=None, dtypes=F32), cuda(True))
+        decide(facts(s=1), cuda())
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and CPU_LOOP in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("s, expected", [(1, "matmul_step"), (512, "chunked_unrolled"),
+                                         (4096, "chunked")])
+def test_cpu_runtime_keeps_its_order(s, expected):
+    decision = decide(facts(s=s), Target.parse("0.23.9"))
+    assert decision.candidate == expected and not decision.note
+    assert Target.parse("0.23.9").runtime == "cpu"
+
+
+def test_unknown_runtime_is_refused():
+    with pytest.raises(UsageError, match="'tpu' is not one of cpu, cuda"):
+        Target.parse("0.23.9", runtime="tpu")
+
+
+def test_torch_to_nnef_target_carries_the_runtime():
+    from gdn_fx.lowering.t2n.offline_target import offline_tract_target
+
+    t2n = offline_tract_target("0.23.9")
+    assert as_target(t2n).runtime == "cpu"
+    t2n.gdn_fx_runtime = "cuda"
+    assert as_target(t2n).runtime == "cuda"
+
+
+# --- exports for the CUDA runtime, run by the CPU tract -------------------------------------
+
+@pytest.mark.parametrize("s, groups, dtype", [(1, 1, torch.float32), (2, 1, torch.float32),
+                                              (65, 1, torch.float32), (300, 2, torch.float32),
+                                              (2100, 1, torch.float32), (200, 1, torch.float16)])
+def test_chunked_parallel_matches_float64(tmp_path, s, groups, dtype):
+    """Forced at S = 1 (the table gives S = 1 to one step), chosen by the table otherwise;
+    S = 2100 takes the long chunks (128)."""
+    module = Fused(16 ** -0.5)
+    args = scan_inputs(s=s, hk=2, groups=groups, dk=16, dv=16, dtype=dtype)
+    path = export_nnef(torch.export.export(module, args), tmp_path / "cp.nnef", runtime="cuda",
+                       input_names=SCAN_NAMES, choose={"*": "chunked_parallel"} if s == 1
+                       else None)
+    assert tract_check.read_decisions(path) == {"gated_delta_scan": "chunked_parallel"}
+    assert tract_check.read_runtime(path) == "cuda" and not tract_check.read_cpu_fallbacks(path)
+    check_run(path, module, args, 1e-4 if dtype == torch.float32 else 2e-3)
+
+
+def test_export_records_cpu_fallback_and_runtime(tmp_path):
+    module = Fused(16 ** -0.5)
+    args = scan_inputs(s=4, hk=2, dk=16, dv=16)
+    axes = {name: {1: "S"} for name in SCAN_NAMES[:5]}
+    path = export_nnef(torch.export.export(module, args), tmp_path / "f.nnef", runtime="cuda",
+                       input_names=SCAN_NAMES, dynamic_axes=axes)
+    assert tract_check.read_decisions(path) == {"gated_delta_scan": "chunked"}
+    assert tract_check.read_cpu_fallbacks(path) == ["gated_delta_scan"]
+    plain = export_nnef(torch.export.export(module, args), tmp_path / "p.nnef",
+                        input_names=SCAN_NAMES, dynamic_axes=axes)
+    assert tract_check.read_runtime(plain) == "cpu" and not tract_check.read_cpu_fallbacks(plain)
+
+
+def test_loading_for_a_missing_runtime_says_why(tmp_path):
+    missing = tract_check.runtime_unavailable("cuda")
+    if missing is None:
+        pytest.skip("this machine has tract's CUDA runtime")
+    module = Fused(16 ** -0.5)
+    args = scan_inputs(s=1, hk=2, dk=16, dv=16)
+    path = export_nnef(torch.export.export(module, args), tmp_path / "m.nnef", runtime="cuda",
+                       input_names=SCAN_NAMES)
+    with pytest.raises(RuntimeUnavailable, match="tract has no cuda runtime here"):
+        tract_check.load(path, "cuda")
+    assert tract_check.runtime_unavailable("cpu") is None
+
+
+def test_cli_refuses_cuda_for_the_generation_ready_export(tmp_path, capsys):
+    status = main(["export", "--family", "qwen3_5", "--out", str(tmp_path / "m.nnef.tgz"),
+                   "--runtime", "cuda"])
+    assert status == 2
+    assert "--runtime cuda: the generation-ready export" in capsys.readouterr().err
