@@ -2,7 +2,8 @@
 tract runtime runs it ("cpu", the default, or "cuda": ``tract.runtime_for_name("cuda")``).
 
 What tract's native operators accept changed across releases, and what runs fast (or runs on
-the GPU at all) differs between runtimes, so every lowering check reads the target. Versions compare as integer tuples: ``Target.parse("0.23.9").version == (0, 23, 9)``.
+the GPU at all) differs between runtimes, so every lowering check reads the target.
+Versions compare as integer tuples: ``Target.parse("0.23.9").version == (0, 23, 9)``.
 """
 
 from __future__ import annotations

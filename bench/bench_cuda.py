@@ -1,0 +1,425 @@
+"""The GDN candidates on tract's CUDA runtime: one Qwen3.5-sized layer core, side by side.
+
+B = 1, 16 heads, Dk = Dv = 128, q/k/v/beta f16 with an f32 log decay and an f32 state (the
+native operator's CUDA kernel takes exactly that), S = 1, 64, 512, 4096. Every candidate that
+tract can run under its CUDA runtime is exported for each S (forced with ``choose``), loaded
+with ``tract.runtime_for_name("cuda").prepare``, checked against the float64 recurrence
+(gdn_fx/reference.py, on the f16-rounded inputs) and timed round-robin in one run; the native
+operator on all-f32 operands (which has no CUDA kernel) is timed too where it is not too slow.
+tract's profiler (``Runnable.profile_json``) splits each call into GPU ops (Cuda*, Gpu*),
+host/device transfers (DeviceSync*, which also wait for the GPU) and CPU ops (the rest: a
+path tract runs on the CPU shows here). "I/O floor" reads the same inputs and writes outputs
+of the same shapes with a few elementwise ops: what moving the tensors costs per call.
+
+The NNEF files are written where torch-to-nnef is installed, the timing runs where the GPU is
+(the device machine has neither torch-to-nnef nor this machine's GPU-less tract):
+
+    .venv/bin/python bench/bench_cuda.py --prepare .gpu/nnef       # here: NNEF files + manifest
+    python3 bench/bench_cuda.py --run .gpu/nnef --profiles p.json   # on the GPU machine
+    .venv/bin/python bench/bench_cuda.py --run .gpu/nnef --runtime cpu --lengths 1 64  # CPU
+
+``--probe`` also times the native operator on the dtype sets, widths and batches its CUDA
+kernel might take (CUDA against CPU: a ratio near 1 means tract ran it on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import common  # noqa: E402
+
+LENGTHS = (1, 64, 512, 4096)
+TOLERANCE = 2e-3  # issue 19's bound for f16 operands against the float64 reference
+NAMES = common.CORE_INPUTS
+# Candidates per S: every one tract can run on CUDA that the table lets serve the shape.
+PATHS = {1: ("native", "matmul_step", "chunked", "matmul"),
+         64: ("native", "chunked_parallel", "chunked_unrolled", "chunked", "matmul"),
+         512: ("native", "chunked_parallel", "chunked_unrolled", "chunked", "matmul"),
+         4096: ("native", "chunked_parallel", "chunked")}
+F32_NATIVE_UP_TO = 512  # the CPU operator takes ~2.6 s at S = 4096: left out there
+# (label, heads, width, batch, dtype of q/k/v/beta, dtype of the state) the probe tries
+PROBES = (("f16, f32 state", 16, 128, 1, "f16", "f32"),
+          ("f16, f16 state", 16, 128, 1, "f16", "f16"),
+          ("all f32", 16, 128, 1, "f32", "f32"),
+          ("f16, width 64", 16, 64, 1, "f16", "f32"),
+          ("f16, batch 2", 16, 128, 2, "f16", "f32"))
+PROBE_SEQ = 64
+# "chunked_parallel" variants (largest chunk, state pass), exported for these S
+VARIANTS = ((64, "prefix"), (128, "prefix"), (128, "sequential"))  # 256: rank 9 > NNEF 8
+VARIANT_LENGTHS = (512, 4096)
+# Lengths between the measured ones where the native kernel and "chunked_parallel" cross
+CROSSING = (128, 256)
+DTYPES = {"f16": torch.float16, "f32": torch.float32}
+
+
+class Fused(nn.Module):
+    """The fused op with the native operator's flags (so every candidate may serve it)."""
+
+    def forward(self, q, k, v, g, beta, s0):
+        return torch.ops.gdn_fx.gated_delta_scan(q, k, v, g, beta, s0,
+                                                 scale=q.shape[-1] ** -0.5, qk_l2norm=True)
+
+
+def inputs(seq: int, heads: int = common.HEADS, width: int = common.WIDTH, batch: int = 1,
+           operands: str = "f16", state: str = "f32") -> tuple:
+    """The benchmark inputs (seeded by S): q/k/v/beta in ``operands``, g f32, s0 ``state``."""
+    q, k, v, g, beta, s0 = common.core_inputs(seq, heads, width, batch, seed=seq)
+    low = DTYPES[operands]
+    return q.to(low), k.to(low), v.to(low), g, beta.to(low), s0.to(DTYPES[state])
+
+
+def oracle(args: Sequence[torch.Tensor]) -> tuple:
+    """float64 recurrence on the inputs as given (f16 values widened exactly), on the GPU when
+    torch has one (the 4096-step loop is slow on the CPU), results back on the CPU."""
+    from gdn_fx.reference import l2norm, recurrent_delta_rule_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, g, beta, s0 = (x.to(device, torch.float64) for x in args)
+    out = recurrent_delta_rule_reference(l2norm(q), l2norm(k), v, g, beta,
+                                         scale=q.shape[-1] ** -0.5, initial_state=s0)
+    return tuple(x.cpu() for x in out)
+
+
+# --- prepare: NNEF files and a manifest (needs torch-to-nnef) --------------------------------
+
+class IoFloor(nn.Module):
+    """Reads every input and writes outputs of the core's shapes and dtypes with a few
+    elementwise ops: what moving the tensors in and out of the GPU costs per call."""
+
+    def forward(self, q, k, v, g, beta, s0):
+        out = (q.float() + k.float() + v.float()) * beta.float()[..., None] + g[..., None]
+        return out, s0 * 1.5
+
+
+def gdn_fx_export(program, path: Path) -> str:
+    import gdn_fx
+
+    return str(gdn_fx.export_nnef(program, path, input_names=NAMES, runtime="cuda"))
+
+
+def _export(args: tuple, path: Path, choose: Optional[dict]) -> str:
+    import gdn_fx
+
+    program = torch.export.export(Fused(), args)
+    return str(gdn_fx.export_nnef(program, path, choose=choose, input_names=NAMES,
+                                  runtime="cuda"))
+
+
+def _table_choice(args: tuple) -> str:
+    """The candidate the table picks for the CUDA runtime (with its note, if any)."""
+    from gdn_fx.lowering import plan_lowering
+
+    (decision,) = plan_lowering(torch.export.export(Fused(), args), runtime="cuda")
+    return decision.candidate + (f" ({decision.note})" if decision.note else "")
+
+
+def variant_entries(folder: Path, lengths: Sequence[int]) -> list[dict]:
+    """"chunked_parallel" with other chunk sizes / state passes (the module's knobs, set for
+    one export each), and native against "chunked_parallel" at the CROSSING lengths."""
+    from gdn_fx.lowering import gdn_chunked_parallel as cp
+
+    entries = []
+    for seq in [s for s in VARIANT_LENGTHS if s in lengths]:
+        for chunk, state_pass in VARIANTS:
+            kept = cp.CHUNK, cp.LONG_CHUNK, cp.STATE_PASS
+            cp.CHUNK = cp.LONG_CHUNK = chunk
+            cp.STATE_PASS = state_pass
+            try:
+                path = _export(inputs(seq), folder / f"cp_{chunk}_{state_pass}_s{seq}.nnef",
+                               {"*": "chunked_parallel"})
+            finally:
+                cp.CHUNK, cp.LONG_CHUNK, cp.STATE_PASS = kept
+            entries.append(dict(kind="bench", seq=seq, path=path, table="-",
+                                name=f"chunked_parallel C={chunk} {state_pass}"))
+    for seq in [s for s in VARIANT_LENGTHS if s in lengths]:
+        program = torch.export.export(IoFloor(), inputs(seq))
+        path = gdn_fx_export(program, folder / f"io_floor_s{seq}.nnef")
+        entries.append(dict(kind="bench", seq=seq, path=path, table="-",
+                            name="I/O floor (same inputs/outputs, elementwise only)"))
+    for seq in [s for s in CROSSING if s in lengths]:
+        for name in ("native", "chunked_parallel"):
+            path = _export(inputs(seq), folder / f"{name}_s{seq}.nnef", {"*": name})
+            entries.append(dict(kind="bench", seq=seq, name=name, path=path,
+                                table=_table_choice(inputs(seq))))
+    return entries
+
+
+TINY_SEQ = 8
+
+
+def tiny_model_entry(folder: Path) -> dict:
+    """A whole tiny random Qwen3.5 step (f16, S = TINY_SEQ, collapsed) exported for CUDA, with
+    its inputs and torch eager's outputs saved beside it (the GPU machine has no transformers
+    of the right release to rebuild it)."""
+    import gdn_fx
+    from gdn_fx.hf import DecodeStep, prepare_for_nnef
+    from gdn_fx.pipeline import Job, build_model
+
+    model, name = build_model(Job(family="qwen3_5", dtype="f16"))
+    step = DecodeStep(prepare_for_nnef(model), rule="recurrent")
+    args = step.example_inputs(seq_len=TINY_SEQ)
+    program = gdn_fx.collapse(torch.export.export(step, args, strict=False)).program
+    path = gdn_fx.export_nnef(program, folder / "tiny_step.nnef", runtime="cuda",
+                              input_names=step.input_names, output_names=step.output_names)
+    want = common.flat_tensors(step.eager(*args))
+    arrays = {f"in{i}": a.detach().numpy() for i, a in enumerate(args)}
+    arrays.update({f"out{i}": w.detach().numpy() for i, w in enumerate(want)})
+    np.savez(folder / "tiny_step.npz", **arrays)
+    from gdn_fx import tract_check
+
+    return dict(kind="tiny", seq=TINY_SEQ, name=f"{name}, f16, S={TINY_SEQ}", path=str(path),
+                decisions=tract_check.read_decisions(path))
+
+
+def tiny_model_check(entry: dict, folder: Path, runtime: str) -> str:
+    """The tiny step in tract on ``runtime`` against torch eager (bound 1e-3, f16)."""
+    from gdn_fx import tract_check
+
+    saved = np.load(folder / "tiny_step.npz")
+    args = [saved[k] for k in sorted((k for k in saved if k.startswith("in")),
+                                     key=lambda k: int(k[2:]))]
+    want = [torch.from_numpy(saved[k]) for k in sorted((k for k in saved if k.startswith("out")),
+                                                       key=lambda k: int(k[3:]))]
+    try:
+        found = tract_check.compare(entry["path"], want, args, tolerance=1e-3, runtime=runtime)
+    except Exception as exc:  # noqa: BLE001  (reported, not raised: the tables still print)
+        return f"{entry['name']} on {runtime}: FAILED {type(exc).__name__}: {why(exc)}"
+    verdict = "OK" if found.ok else "NOT OK"
+    return (f"{entry['name']} on tract {runtime}, lowered as {entry['decisions']}: {found} "
+            f"-> {verdict}")
+
+
+def prepare(folder: Path, lengths: Sequence[int], probe: bool, tiny: bool,
+            paths: Optional[Sequence[str]] = None) -> None:
+    """Write every path's NNEF into ``folder`` and ``manifest.json`` describing them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for seq in [s for s in lengths if s in PATHS]:
+        args = inputs(seq)
+        choice = _table_choice(args)
+        for name in [n for n in PATHS[seq] if paths is None or n in paths]:
+            path = _export(args, folder / f"{name}_s{seq}.nnef", {"*": name})
+            entries.append(dict(kind="bench", seq=seq, name=name, path=path, table=choice))
+        if seq <= F32_NATIVE_UP_TO and (paths is None or "native_f32" in paths):
+            path = _export(inputs(seq, operands="f32"), folder / f"native_f32_s{seq}.nnef",
+                           {"*": "native"})
+            entries.append(dict(kind="bench", seq=seq, name="native", path=path,
+                                table=choice, operands="f32"))
+    entries += variant_entries(folder, lengths)
+    if tiny:
+        entries.append(tiny_model_entry(folder))
+    for label, heads, width, batch, operands, state in (PROBES if probe else ()):
+        args = inputs(PROBE_SEQ, heads, width, batch, operands, state)
+        path = _export(args, folder / f"probe_{len(entries)}.nnef", {"*": "native"})
+        entries.append(dict(kind="probe", seq=PROBE_SEQ, name=label, path=path, heads=heads,
+                            width=width, batch=batch, operands=operands, state=state))
+    (folder / "manifest.json").write_text(json.dumps(entries, indent=1))
+    common.emit(f"wrote {len(entries)} NNEF files and {folder / 'manifest.json'}")
+
+
+# --- run: load for a runtime, check, time ----------------------------------------------------
+
+def load(path: str, runtime: str):
+    from gdn_fx import tract_check
+
+    return tract_check.load(path, runtime)
+
+
+def timed_call(runnable, arrays: list[np.ndarray]) -> tuple[Callable[[], object], float]:
+    """(a call as an application makes it: one State kept, inputs already tract tensors,
+    outputs read back to numpy; the largest difference between that State's answer and a
+    fresh run's, which must be 0 for the timing to be of the verified path)."""
+    import tract
+
+    tensors = [tract.Tensor.from_numpy(a) for a in arrays]
+    state = runnable.spawn_state()
+    fresh = [t.to_numpy() for t in runnable.run(arrays)]
+    kept = [t.to_numpy() for t in state.run(tensors)]
+    drift = max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(kept, fresh))
+    return (lambda: [t.to_numpy() for t in state.run(tensors)]), drift
+
+
+def run_only_seconds(runnable, arrays: list[np.ndarray], calls: int = 5) -> float:
+    """Median seconds of State.run alone (outputs left as tract tensors): with the full call,
+    how much of it is reading the outputs back."""
+    import tract
+
+    tensors = [tract.Tensor.from_numpy(a) for a in arrays]
+    state = runnable.spawn_state()
+    state.run(tensors)
+    return statistics.median(common.once(lambda: state.run(tensors))[0] for _ in range(calls))
+
+
+def profile_split(runnable, arrays: list[np.ndarray]) -> tuple[dict, str]:
+    """({"cuda": s, "transfer": s, "cpu": s} per call, the three slowest CPU op kinds) from
+    tract's profiler: its ops named Cuda* and Gpu* (slices, concats, axis moves) are GPU ops,
+    DeviceSync* move tensors between host and device (and wait for the GPU's queue), the
+    rest run on the CPU. The times are tract's own per-op wall times on the host: for a GPU
+    op that is mostly its launch, the GPU's work shows in the next DeviceSync."""
+    nodes = json.loads(runnable.profile_json(arrays))["nodes"]
+    split = {"cuda": 0.0, "transfer": 0.0, "cpu": 0.0}
+    host: dict[str, float] = {}
+    for node in nodes:  # nodes inside fragments/loops may carry no time of their own
+        name, seconds = node.get("op_name", "?"), node.get("secs_per_iter") or 0.0
+        kind = "cuda" if name.startswith(("Cuda", "Gpu")) else \
+            "transfer" if name.startswith("DeviceSync") else "cpu"
+        split[kind] += seconds
+        if kind == "cpu":
+            host[name] = host.get(name, 0.0) + seconds
+    top = sorted(host.items(), key=lambda item: -item[1])[:3]
+    return split, ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in top)
+
+
+def why(exc: BaseException, limit: int = 500) -> str:
+    """An error on one line: tract's causes too, without its stack backtrace."""
+    text = " ".join(str(exc).split("Stack backtrace")[0].split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def measure(entry: dict, runtime: str, profiles: dict) -> dict:
+    """Load, check and make the timed call of one manifest entry (errors recorded)."""
+    result = dict(entry)
+    try:
+        args = _entry_inputs(entry)
+        arrays = common.numpy_inputs(args)
+        seconds, runnable = common.once(lambda: load(entry["path"], runtime))
+        result["load_s"] = seconds
+        result["call"], result["drift"] = timed_call(runnable, arrays)
+        result["error"] = common.rel_error(runnable, arrays, oracle(args))
+        result["run_only"] = run_only_seconds(runnable, arrays)
+    except Exception as exc:  # noqa: BLE001  (the table shows why this path is missing)
+        result["failed"] = f"{type(exc).__name__}: {why(exc)}"
+        return result
+    if runtime == "cuda":
+        try:
+            profiles[Path(entry["path"]).name] = runnable.profile_json(arrays)
+            result["split"], result["host_ops"] = profile_split(runnable, arrays)
+        except Exception as exc:  # noqa: BLE001  (a path can run where the profiler fails)
+            result["host_ops"] = f"profiler failed: {type(exc).__name__}: {why(exc)}"
+    return result
+
+
+def _entry_inputs(entry: dict) -> tuple:
+    if entry["kind"] == "probe":
+        return inputs(entry["seq"], entry["heads"], entry["width"], entry["batch"],
+                      entry["operands"], entry["state"])
+    return inputs(entry["seq"], operands=entry.get("operands", "f16"))
+
+
+def label(entry: dict) -> str:
+    return entry["name"] + (" (all f32)" if entry.get("operands") == "f32" else "")
+
+
+def bench_table(seq: int, results: list[dict], rounds: int) -> str:
+    """Time the paths of one S round-robin; one markdown table with ratios to native."""
+    ok = [r for r in results if "call" in r]
+    samples = common.interleave({label(r): r["call"] for r in ok}, rounds, min_time=0.2)
+    native = "native" if "native" in samples.rounds else None
+    rows = []
+    for r in results:
+        if "call" not in r:
+            rows.append([label(r)] + [None] * 9 + [r["failed"]])
+            continue
+        name, split = label(r), r.get("split", {})
+        rows.append([name, common.ms(samples.median(name)), common.ms(r["run_only"]),
+                     common.ratio(samples.ratio(name, native)) if native else None,
+                     common.error_cell(r["error"], TOLERANCE),
+                     common.ms(split.get("cuda")), common.ms(split.get("transfer")),
+                     common.ms(split.get("cpu")), f"{r['load_s']:.2g}", f"{r['drift']:.1g}",
+                     r.get("host_ops") or ""])
+    chosen = next((r["table"] for r in results if r["table"] != "-"), "-")
+    columns = ["path", "median ms", "run alone ms", "vs native", "rel. error",
+               "GPU ops ms", "transfers+waits ms", "CPU ops ms", "load s", "State drift",
+               "slowest CPU ops (profiler)"]
+    return f"**S = {seq}** (the table's choice for CUDA: {chosen})\n\n" + \
+        common.markdown(columns, rows) + "\n"
+
+
+def probe_table(results: list[dict], cpu_results: list[dict], rounds: int) -> str:
+    """The native operator under CUDA and on the CPU runtime, per dtype set / width / batch."""
+    rows = []
+    for gpu, cpu in zip(results, cpu_results):
+        if "call" not in gpu or "call" not in cpu:
+            rows.append([gpu["name"], None, None, None, gpu.get("failed") or cpu.get("failed")])
+            continue
+        samples = common.interleave({"cuda": gpu["call"], "cpu": cpu["call"]}, rounds)
+        split = gpu.get("split", {})
+        rows.append([gpu["name"], common.ms(samples.median("cuda")),
+                     common.ms(samples.median("cpu")), common.ratio(samples.ratio("cpu", "cuda")),
+                     common.ms(split.get("cuda")), common.ms(split.get("cpu")),
+                     gpu.get("host_ops") or ""])
+    columns = ["native operator, S = 64", "CUDA ms", "CPU runtime ms", "CPU / CUDA",
+               "GPU ops ms (profiler)", "CPU ops ms (profiler)", "slowest CPU ops"]
+    return common.markdown(columns, rows) + "\n"
+
+
+def run(folder: Path, runtime: str, lengths: Sequence[int], rounds: int,
+        profiles_out: Optional[Path]) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for entry in manifest:
+        entry["path"] = str(folder / Path(entry["path"]).name)  # written on another machine
+    profiles: dict[str, str] = {}
+    common.emit(common.header(f"GDN layer core on tract's {runtime} runtime (B=1, 16 heads, "
+                              "Dk=Dv=128, f16 q/k/v/beta, f32 gate and state)",
+                              f"{rounds} interleaved rounds per S; a call is State.run on "
+                              "tract tensors plus to_numpy of both outputs; error = max "
+                              "relative error vs the float64 recurrence"))
+    for seq in sorted({e["seq"] for e in manifest if e["kind"] == "bench"} & set(lengths)):
+        results = [measure(e, runtime, profiles) for e in manifest
+                   if e["kind"] == "bench" and e["seq"] == seq]
+        common.emit(bench_table(seq, results, rounds))
+        for r in results:
+            if "failed" in r:
+                common.emit(f"- {label(r)}: {r['failed']}")
+    for entry in (e for e in manifest if e["kind"] == "tiny"):
+        common.emit(tiny_model_check(entry, folder, runtime) + "\n")
+    probes = [e for e in manifest if e["kind"] == "probe"]
+    if probes and runtime == "cuda":
+        gpu = [measure(e, "cuda", profiles) for e in probes]
+        cpu = [measure(e, "cpu", {}) for e in probes]
+        common.emit(probe_table(gpu, cpu, rounds))
+    if profiles_out is not None:
+        profiles_out.write_text(json.dumps(profiles))
+
+
+def main() -> None:
+    ap = common.parser(__doc__.splitlines()[0])
+    ap.add_argument("--prepare", type=Path, help="write the NNEF files and manifest here")
+    ap.add_argument("--run", type=Path, help="time the files of this folder's manifest")
+    ap.add_argument("--runtime", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS + CROSSING),
+                    choices=list(LENGTHS + CROSSING))
+    ap.add_argument("--probe", action="store_true",
+                    help="with --prepare: also the native operator's dtype/width/batch probe")
+    ap.add_argument("--paths", nargs="+", default=None,
+                    help="with --prepare: only these candidates (native_f32: the all-f32 "
+                    "native operator); default every one")
+    ap.add_argument("--tiny", action="store_true",
+                    help="with --prepare: also a whole tiny Qwen3.5 step (f16) for the check")
+    ap.add_argument("--profiles", type=Path, help="with --run: write tract's profiles here")
+    args = ap.parse_args()
+    common.silence_warnings()
+    import gdn_fx  # noqa: F401  (registers torch.ops.gdn_fx)
+
+    if args.prepare is None and args.run is None:
+        ap.error("give --prepare DIR (here) and/or --run DIR (where the GPU is)")
+    if args.prepare is not None:
+        prepare(args.prepare, args.lengths, args.probe, args.tiny, args.paths)
+    if args.run is not None:
+        run(args.run, args.runtime, args.lengths, common.rounds_for(args, full=7),
+            args.profiles)
+
+
+if __name__ == "__main__":
+    main()
