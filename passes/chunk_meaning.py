@@ -54,7 +54,6 @@ PREFIX = 3  # positions on which every layout is tried before the whole sequence
 END_SCAN = 20000  # nodes after the anchor searched for the region's end
 END_TRIES = 4  # evaluated ends per anchor before giving up (until one agrees)
 END_CANDIDATES = 24  # output readings walked back from per anchor
-CUT_TRIES = 3  # cuts evaluated per end, the widest first
 ABSORB = 300  # nodes taken in past the last candidate cut before the walk back stops
 WIDE_INPUTS = 12  # more inputs than this: the walk back has left the region
 LOW_FLOATS = (torch.float16, torch.bfloat16)
@@ -63,6 +62,9 @@ SHAPE_OPS = {ATEN.view.default, ATEN.reshape.default, ATEN._unsafe_view.default,
              ATEN.slice.Tensor, ATEN.transpose.int, ATEN.permute.default, ATEN.clone.default,
              ATEN.contiguous.default, ATEN.alias.default, ATEN.squeeze.dim, ATEN.squeeze.dims,
              ATEN.unsqueeze.default, ATEN._to_copy.default, ATEN.to.dtype}
+
+COPIES = {ATEN.clone.default, ATEN.contiguous.default, ATEN.alias.default,
+          ATEN._to_copy.default, ATEN.to.dtype}
 
 
 @dataclass
@@ -148,12 +150,12 @@ def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
     if not anchors:  # the usual case once the other rules ran: no copy, no walk
         return graph, [], []
     facts = Facts.of(graph)
-    fusions, misses, taken, mode = [], [], set(), None
+    fusions, misses, taken, proven, mode = [], [], set(), [], None
     for anchor in anchors:
         if anchor in taken:
             continue
         try:
-            verdict = _decide_anchor(anchor, facts)
+            verdict = _decide_anchor(anchor, facts, taken)
         except NoMatch as err:
             misses.append(Miss(NAME, f"chunked form by meaning: {err.reason}",
                                node=err.node or anchor.name))
@@ -164,12 +166,15 @@ def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
             misses.append(Miss(NAME, f"chunked form by meaning: {_not_delta(verdict)}",
                                node=anchor.name))
             continue
-        taken |= verdict.cut.nodes
+        # an earlier region's output may be this one's operand; its other nodes are gone
+        claimed = taken - {v.cut.value for v in proven} - {v.cut.final for v in proven}
+        taken = taken | verdict.cut.nodes
+        proven.append(verdict)
         if only is not None and anchor.name not in only:
             continue
         try:
             mode = mode or fake_mode_of(graph)
-            fusions.append(_plan(verdict, anchor, facts.order, mode))
+            fusions.append(_plan(verdict, anchor, facts.order, mode, claimed))
         except NoMatch as err:
             misses.append(Miss(NAME, f"chunked form by meaning: {err.reason}",
                                node=err.node or anchor.name))
@@ -177,10 +182,9 @@ def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
     return new, [f.key for f in fusions], misses
 
 
-def _plan(verdict: Verdict, anchor: fx.Node, order: dict, mode):
+def _plan(verdict: Verdict, anchor: fx.Node, order: dict, mode, taken: set):
     cut, fit, layout = verdict.cut, verdict.fit, verdict.layout
     region = ScanRegion(cut.nodes, cut.value, fit.value_axis, cut.final, anchor)
-    region.meta_source = anchor
     state = fit.state if fit.state is not None else fit.groups[layout.roles["k"]][0]
     plan = plan_operands(layout, fit.groups, state, shape(cut.value), fit.value_axis,
                          fit.length)
@@ -190,6 +194,9 @@ def _plan(verdict: Verdict, anchor: fx.Node, order: dict, mode):
         ops.adapters["state"] = ops.adapters.get("k", []) + [
             (ATEN.new_zeros.default, (_op_state_shape(fit, layout),))]
     region.out_steps, region.final_steps = plan.out_steps, plan.final_steps
+    inside = [n for n in plan.operands.nodes.values() if n in taken]
+    if inside:
+        raise NoMatch(f"operand {inside[0].name} lies in another fused region", node=anchor)
     check_dtypes(region, plan.operands)
     return plan_scan(region, plan.operands, order, mode)
 
@@ -203,7 +210,7 @@ def _op_state_shape(fit: Fit, layout: Layout) -> list:
 
 # --- deciding one anchor ---------------------------------------------------------------------
 
-def _decide_anchor(anchor: fx.Node, facts: Facts) -> Optional[Verdict]:
+def _decide_anchor(anchor: fx.Node, facts: Facts, taken: set) -> Optional[Verdict]:
     """The widest region around ``anchor`` that is the delta rule; else the nearest miss
     (None when nothing there is shaped like a chunked region). Ends come in runs (an output
     and the views and slices of it that follow); the last end of a run is tried first. Once
@@ -215,7 +222,10 @@ def _decide_anchor(anchor: fx.Node, facts: Facts) -> Optional[Verdict]:
             break
         verdict = None
         for value, final, end in reversed(run):
-            verdict = _decide_end(anchor, value, final, end, facts)
+            if value.target in COPIES and len(run) > 1:
+                continue  # a copy or cast of the output is its reader's (operand peeling
+                # walks through it, and must find the fused value there)
+            verdict = _decide_end(anchor, value, final, end, facts, taken)
             if verdict is not None:
                 tries += 1
                 if verdict.layout is not None:
@@ -288,7 +298,7 @@ def _end_candidates(anchor: fx.Node, facts: Facts):
     expiring: dict = {}
     for pos in range(start, min(len(nodes), start + END_SCAN)):
         node = nodes[pos]
-        if last_use[node] > pos:
+        if last_use[node] > pos and not _passes_through(node, start, facts.order):
             live.add(node)
             expiring.setdefault(last_use[node], []).append(node)
         for done in expiring.pop(pos, ()):
@@ -296,6 +306,14 @@ def _end_candidates(anchor: fx.Node, facts: Facts):
         if 1 <= len(live) <= 2 and anchor not in live and node.op == "call_function" and any(
                 len(shape(n) or ()) >= 3 for n in live):
             yield pos, sorted(live, key=facts.order.__getitem__)
+
+
+def _passes_through(node: fx.Node, start: int, order: dict) -> bool:
+    """A view or cast of a value from before the anchor (``initial_state.to(f32)`` that the
+    program also hands out): no result of the region."""
+    while node.target in SHAPE_OPS and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return order[node] < start
 
 
 def _outputs(live: list):
@@ -309,26 +327,49 @@ def _outputs(live: list):
             yield value, final
 
 
-def _decide_end(anchor, value, final, end: int, facts: Facts) -> Optional[Verdict]:
+def _decide_end(anchor, value, final, end: int, facts: Facts, taken: set
+                ) -> Optional[Verdict]:
     """Cut the region ending at ``end`` back to its inputs and decide it; None when no cut
-    has the shapes of the op's operands."""
-    order = facts.order
-    core = _closure([value] + ([final] if final is not None else []), order[anchor], end,
-                    order)
-    cuts = list(_cuts(core, value, final, end, facts))
-    nearest, tried = None, 0
-    for cut, fits in reversed(cuts):  # the widest first
-        problem = _leak(cut, facts)
-        if tried >= CUT_TRIES:
-            break
-        tried += 1
-        for fit in fits:
-            verdict = Verdict(cut, fit, where=problem) if problem else \
-                _evaluate(cut, fit, order)
-            if verdict.layout is not None:
-                return verdict
-            if nearest is None or _closer(verdict, nearest):
-                nearest = verdict
+    has the shapes of the op's operands. The widest cut is tried first; when it does not
+    agree (the walk went past the region's inputs into the caller's gate or norm), the
+    narrowest, then the last agreeing cut is found by bisection (cuts agree up to the
+    region's real inputs and not beyond)."""
+    core = _closure([value] + ([final] if final is not None else []), facts.order[anchor],
+                    end, facts)
+    if core & taken:  # another region's
+        return None
+    cuts = list(_cuts(core, value, final, end, facts, taken))
+    if not cuts:
+        return None
+    widest = _decide_cut(*cuts[-1], facts)
+    if widest.layout is not None or len(cuts) == 1:
+        return widest
+    good = _decide_cut(*cuts[0], facts)
+    if good.layout is None:
+        return widest if not _closer(good, widest) else good
+    lo, hi = 0, len(cuts) - 1  # cuts[lo] agrees, cuts[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        verdict = _decide_cut(*cuts[mid], facts)
+        if verdict.layout is not None:
+            lo, good = mid, verdict
+        else:
+            hi = mid
+    return good
+
+
+def _decide_cut(cut: Cut, fits: list, facts: Facts) -> Verdict:
+    """The first reading of the cut's inputs under which the region is the delta rule, else
+    the nearest."""
+    problem = _leak(cut, facts)
+    nearest = None
+    for fit in fits:
+        verdict = Verdict(cut, fit, where=problem) if problem else \
+            _evaluate(cut, fit, facts.order)
+        if verdict.layout is not None:
+            return verdict
+        if nearest is None or _closer(verdict, nearest):
+            nearest = verdict
     return nearest
 
 
@@ -347,13 +388,16 @@ def _leak(cut: Cut, facts: Facts) -> str:
     return ""
 
 
-def _closure(sinks: list, lo: int, hi: int, order: dict) -> Optional[set]:
+def _closure(sinks: list, lo: int, hi: int, facts: Facts) -> set:
     """The nodes in positions [lo, hi] that the sinks are computed from, with every in-place
-    write into them; None when the region writes in place into a value from before it."""
-    nodes, todo = set(), list(sinks)
+    write into them. A value the program also reads after ``hi`` is left out: it can only
+    be an input of the region."""
+    order, nodes, todo = facts.order, set(), list(sinks)
     while todo:
         node = todo.pop()
         if node in nodes or node.op != "call_function" or not lo <= order[node] <= hi:
+            continue
+        if node not in sinks and facts.last_use[node] > hi:
             continue
         nodes.add(node)
         todo.extend(node.all_input_nodes)
@@ -383,7 +427,7 @@ def _writes_into(node: fx.Node, hi: int, order: dict) -> list:
 
 # --- walking back to the inputs --------------------------------------------------------------
 
-def _cuts(core: set, value: fx.Node, final, end: int, facts: Facts):
+def _cuts(core: set, value: fx.Node, final, end: int, facts: Facts, taken: set):
     """(Cut, fits) for every set of inputs on the walk back that fits the op's operands,
     the narrowest first. The latest input is taken in at each step."""
     order, nodes = facts.order, set(core)
@@ -397,7 +441,8 @@ def _cuts(core: set, value: fx.Node, final, end: int, facts: Facts):
         if fits:
             since = 0
             yield Cut(set(nodes), inputs, value, final), fits
-        movable = [f for f in inputs if f.op == "call_function" and f not in blocked]
+        movable = [f for f in inputs if f.op == "call_function" and f not in blocked
+                   and f not in taken]
         if not movable:
             return
         latest = max(movable, key=order.__getitem__)
@@ -538,8 +583,8 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
            scale: Optional[float] = None):
     """(output error, final-state error, scale, where the output first differs) of the
     region against the delta rule under ``layout`` along the first ``steps`` positions; the
-    output scale is fitted unless given. The rule is run for the first batch entry and at
-    most two heads (they are independent: at real widths the run along T is the cost)."""
+    output scale is fitted unless given. The rule is run for the first and last batch entry
+    and head only (they are independent: at real widths the run along T is the cost)."""
     steps = min(steps, fit.length)
     worst_o, worst_s, scales, where = 0.0, 0.0, [], ""
     chunk = _chunk_size(cut)
@@ -577,9 +622,11 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
 
 
 def _some(x: torch.Tensor, batch) -> torch.Tensor:
-    """``x`` (leading axes: the state's batch) at the first batch entry and two heads."""
+    """``x`` (leading axes: the state's batch) at the first and last entry of each batch
+    axis (heads included): a slip that spares some heads still shows, and translation
+    validation then runs every head."""
     for axis, size in enumerate(batch):
-        x = x.narrow(axis, 0, min(size, 2 if axis == len(batch) - 1 else 1))
+        x = x.index_select(axis, torch.tensor(sorted({0, size - 1})))
     return x
 
 

@@ -257,6 +257,18 @@ class BmmChunkGDN(nn.Module):
         return bmm_chunk_gdn(q, k, v, g, beta, s0, **self.edit)
 
 
+class TwoFlaChunkLayers(nn.Module):
+    """Two FLA chunk calls in a row, the second reading the first's output and final state
+    (keys and queries swapped, gate and beta changed by the caller)."""
+
+    def forward(self, q, k, v, g, beta, s0):
+        o1, s1 = fla_naive_chunk_gdn(q, k, v, g, beta, initial_state=s0,
+                                     output_final_state=True)
+        o2, s2 = fla_naive_chunk_gdn(k, q, o1.contiguous(), g * 0.5, 1 - beta,
+                                     initial_state=s1, output_final_state=True)
+        return o2, s1, s2
+
+
 # --- inputs and references ----------------------------------------------------------------
 
 def operands(b, t, h, dk, dv, *, hk=None, kda=False, seed=0) -> dict:

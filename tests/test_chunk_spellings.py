@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import gdn_fx
-from chunk_spellings import MUTANT, MUTANTS, SPELLING, SPELLINGS
+from chunk_spellings import MUTANT, MUTANTS, SPELLING, SPELLINGS, TwoFlaChunkLayers, inputs
 from gdn_fx.reference import recurrent_delta_rule_reference
 
 FORMS = ("training", "functional", "core_aten")
@@ -139,3 +139,16 @@ def test_near_miss_names_the_chunk_where_it_goes_wrong():
     result, _, _ = collapse("mutant", "fla_gdn_state_not_carried", "training")
     (miss,) = [m for m in result.misses if "chunked form by meaning" in str(m)]
     assert "position 64, the start of chunk 1" in str(miss), str(miss)
+
+
+def test_two_stacked_chunk_calls_fuse_each():
+    """The second call reads the first one's output (through the caller's contiguous) and its
+    final state (also handed out): two regions, two fusions, the same outputs."""
+    module, args = TwoFlaChunkLayers(), inputs(1, 70, 2, 8, 8, seed=11)()
+    result = gdn_fx.collapse(torch.export.export(module, clone(args)))
+    assert result.counts["gated_delta_scan"] == 2, result.explain()
+    assert_same(result.program.module()(*clone(args)), module(*clone(args)))
+    q, k, v, g, beta, s0 = args
+    o1, s1 = scan64(q, k, v, g, beta, s0, scale=8 ** -0.5, norm=None)
+    o2, s2 = scan64(k, q, o1, g * 0.5, 1 - beta, s1, scale=8 ** -0.5, norm=None)
+    assert_same(module(*clone(args)), (o2, s1, s2))

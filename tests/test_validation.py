@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import gdn_fx
+import gdn_fx.passes as passes
 import gdn_fx.passes.gdn_chunk as gdn_chunk
 import gdn_fx.passes.gdn_recurrent as gdn_recurrent
+from gdn_fx.passes.chunk_meaning import collapse_chunks_by_meaning
 from gdn_fx.passes.chunk_templates import ChunkShape, template_scale
 from tests.programs import export_form, flat, max_rel, run
 
@@ -99,9 +101,21 @@ def test_a_chunk_fusion_with_a_wrong_scale_is_rolled_back(monkeypatch):
     program = export_form(ChunkRule(), inputs(8), "training")
     monkeypatch.setattr(gdn_chunk, "template_scale", lambda shape: 0.5)
     assert gdn_fx.collapse(program, verify=False).counts["gated_delta_scan"] == 1
+    rules = passes.RULES
+    monkeypatch.setattr(passes, "RULES", tuple(r for r in rules
+                                               if r[1] is not collapse_chunks_by_meaning))
     result = gdn_fx.collapse(program)
     assert result.counts["gated_delta_scan"] == 0
     assert any("translation validation" in m.reason for m in result.misses)
+    # with every rule, what the template rule left is recognized by meaning (chunk_meaning.py)
+    # at the scale it computes
+    monkeypatch.setattr(passes, "RULES", rules)
+    result = gdn_fx.collapse(program)
+    assert result.counts["gated_delta_scan"] == 1
+    (node,) = [n for n in result.program.graph.nodes
+               if n.target is torch.ops.gdn_fx.gated_delta_scan.default]
+    assert node.kwargs["scale"] == pytest.approx(8 ** -0.5)
+    assert gdn_fx.compare_programs(program, result.program) is None
 
 
 def test_the_chunk_templates_q_scale_is_measured_from_transformers():
