@@ -10,8 +10,9 @@ decay that every chunked algebra takes; the anchor):
 
 - the region's END: a graph position after the anchor where at most two values computed since
   the anchor are still read later (the output and the final state: everything the chunk loop
-  carried is spent there). The output is taken as the first tensor on its chain of views and
-  slices that has a whole time axis (after the unpad);
+  carried is spent there). Ends come in runs (the chunk buffer, its unpad view, slice and
+  transpose); the last of a run whose region agrees is taken, never a copy or cast (that is
+  the reader's), and a later run that agrees too extends the region (a per-chunk loop);
 - the region's INPUTS: walking back from the anchor, the latest value the region reads is
   taken into it, one at a time (pads, casts, transposes, q's scale, beta folded into k and v,
   the chunk reshapes...), and every set of inputs on the way that is five sequence tensors of
@@ -21,7 +22,8 @@ Decided by meaning: the region between a cut and the outputs is run in float64 a
 inputs (step_meaning's interpreter) next to the delta rule run along all T positions under
 every layout the shapes allow (layouts.py's records, step_meaning's ``reference_step``). The
 widest cut whose region agrees to 1e-9 relative at two points, output and final state, is
-fused (plan_operands and plan_scan, as for a recurrent loop); translation validation then
+fused (when the widest does not agree, the last that does is found by bisection), through
+plan_operands and plan_scan as for a recurrent loop; translation validation then
 runs the whole program both ways. A region that does not agree is left with a near-miss that
 says how far off it is and where its output first goes wrong (which chunk, which offset).
 """
@@ -183,6 +185,7 @@ def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
 
 
 def _plan(verdict: Verdict, anchor: fx.Node, order: dict, mode, taken: set):
+    """The fusion of a proven region; ``taken``: the nodes earlier fusions drop."""
     cut, fit, layout = verdict.cut, verdict.fit, verdict.layout
     region = ScanRegion(cut.nodes, cut.value, fit.value_axis, cut.final, anchor)
     state = fit.state if fit.state is not None else fit.groups[layout.roles["k"]][0]
