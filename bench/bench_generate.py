@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import peer  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 SHAPE = dict(vocab_size=248320, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
@@ -37,6 +38,7 @@ SHAPE = dict(vocab_size=248320, hidden_size=1024, num_attention_heads=8, num_key
              tie_word_embeddings=True)
 QUICK = dict(SHAPE, vocab_size=32000, num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL])
 PAST, PREFILL, DECODE_STEPS = 512, 512, 8
+PEER = "torch-to-nnef-llm 0.24.12 artifact in tract (f32)"
 
 
 # name -> (the model's dtype: its compute, export_nnef's weights=): f16 is the model in f16;
@@ -149,7 +151,8 @@ def _seconds(fn) -> float:
 
 def _child(kind: str, *args: str) -> dict:
     """Run one engine in a fresh one-thread process; its figures and peak RSS."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRACT_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRACT_NUM_THREADS="1",
+               RAYON_NUM_THREADS="1")  # the name tract's binary reads is rayon's
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
             "import torch; torch.set_num_threads(1); import bench_generate as b; "
             f"r = b.{kind}(*{list(args)!r}); "
@@ -167,6 +170,10 @@ def main(argv=None) -> None:
 
     parser = common.parser(__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    parser.add_argument("--peer-from", type=Path, default=None,
+                        help="reuse the peer's export made into this --workdir by an earlier "
+                        "run (bench/peer.py; its 0.8B export takes ~15-30 min)")
+    parser.add_argument("--no-peer", action="store_true", help="leave the peer out")
     args = parser.parse_args(argv)
     common.silence_warnings()
     torch.set_num_threads(1)
@@ -180,16 +187,22 @@ def main(argv=None) -> None:
                      f"{'written' if artifacts[fmt]['decode'] else 'none'}")
     measured = {f"gdn-fx artifact in tract ({fmt})": [] for fmt in artifacts}
     measured["torch eager (f32)"] = []
+    peer_art = _peer_export(args, shape, folder, notes)
+    if peer_art.get("main"):
+        measured[PEER] = []
     for _ in range(rounds):
         for fmt, art in artifacts.items():
             measured[f"gdn-fx artifact in tract ({fmt})"].append(
                 _child("run_tract", art["main"], art["decode"]))
         measured["torch eager (f32)"].append(_child("run_torch", shape))
+        if PEER in measured:  # prefill in the chunks the Generator used above, and whole
+            chunk = measured[f"gdn-fx artifact in tract ({args.formats[0]})"][-1]["chunk"]
+            measured[PEER].append(_child("peer.run_peer", peer_art["main"], str(chunk or "")))
     bw, peak = bandwidth(), tract_matmul_peak(folder)
     first = artifacts[args.formats[0]]
     flops = first["flops_per_token"] * PREFILL
-    rows = [_row(name, runs, artifacts, first, bw, peak, flops)
-            for name, runs in measured.items()]
+    rows = [_row(name, runs, {"f32": peer_art} if name == PEER else artifacts, first, bw,
+                 peak, flops) for name, runs in measured.items()]
     chunks = sorted({r["chunk"] for runs in measured.values() for r in runs if "chunk" in r})
     common.emit(common.header(
         "Whole-model generation: gdn-fx artifact in tract vs torch eager",
@@ -210,6 +223,22 @@ def main(argv=None) -> None:
                 f"{first['params'] * 4 / bw * 1e3:.0f} ms), tract's matmul "
                 f"{peak / 1e9:.1f} GFLOP/s (prefill floor {flops / peak * 1e3:.0f} ms). "
                 f"{'; '.join(notes)}.\n")
+
+
+def _peer_export(args, shape: dict, folder: Path, notes: list) -> dict:
+    """The peer's artifact of the same model: exported now, reused, or left out."""
+    if args.no_peer:
+        notes.append("peer: not run (--no-peer)")
+        return {}
+    art = (peer.previous_export(args.peer_from) if args.peer_from
+           else peer.export_peer(shape, folder))
+    if not art.get("main"):
+        notes.append("peer: export failed: " + art["error"].strip().splitlines()[-1])
+    else:
+        notes.append(f"peer: decoder graph {'of an earlier run, ' if args.peer_from else ''}"
+                     f"export {art['export']:.0f} s (its vision graph, "
+                     f"{common.human_bytes(art['vision_nnef'])}, not counted)")
+    return art
 
 
 def _row(name: str, runs: list, artifacts: dict, first: dict, bw: float, peak: float,

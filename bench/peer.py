@@ -158,11 +158,22 @@ def export_peer(shape: dict, folder) -> dict:
     got = json.loads(lines[-1][len("RESULT "):])
     vision = folder / "export" / "vision" / "model.nnef.tgz"
     params = got["params"]
-    return dict(main=str(main), decode="", vision=str(vision) if vision.exists() else "",
-                export=got["seconds"], wall=wall, nnef=main.stat().st_size,
-                vision_nnef=vision.stat().st_size if vision.exists() else 0, ckpt=got["ckpt"],
-                params=params, weight_bytes=params * 4,
-                flops_per_token=2 * (params - got["embedding"]))
+    record = dict(main=str(main), decode="", vision=str(vision) if vision.exists() else "",
+                  export=got["seconds"], wall=wall, nnef=main.stat().st_size,
+                  vision_nnef=vision.stat().st_size if vision.exists() else 0,
+                  ckpt=got["ckpt"], params=params, weight_bytes=params * 4,
+                  flops_per_token=2 * (params - got["embedding"]))
+    (folder / RECORD).write_text(json.dumps(record, indent=1))
+    return record
+
+
+RECORD = "export.json"  # what export_peer returned, beside the export (previous_export)
+
+
+def previous_export(folder) -> dict:
+    """What an earlier :func:`export_peer` into ``folder`` returned (its export seconds are
+    that run's, on that run's machine load)."""
+    return json.loads((Path(folder) / "peer" / RECORD).read_text())
 
 
 # --- running the artifact in tract ----------------------------------------------------------

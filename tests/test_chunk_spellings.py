@@ -19,6 +19,7 @@ import torch
 import gdn_fx
 from chunk_spellings import MUTANT, MUTANTS, SPELLING, SPELLINGS, TwoFlaChunkLayers, inputs
 from gdn_fx.reference import recurrent_delta_rule_reference
+from tensors import clone, flat
 
 FORMS = ("training", "functional", "core_aten")
 TOL = 1e-5
@@ -30,14 +31,6 @@ def scan64(q, k, v, g, beta, s0, *, scale, norm):
     return recurrent_delta_rule_reference(
         q.double(), k.double(), v.double(), g.double(), beta.double(), scale=scale,
         initial_state=None if s0 is None else s0.double())
-
-
-def flat(outputs) -> list:
-    return [x for x in torch.utils._pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor)]
-
-
-def clone(args: tuple) -> tuple:
-    return tuple(a.clone() for a in args)
 
 
 def assert_same(got, want, tol=TOL, what=""):

@@ -19,6 +19,7 @@ import torch
 
 import gdn_fx
 from conv_spellings import LOOKALIKES, MUTANT, MUTANTS, SPELLING, SPELLINGS
+from tensors import clone, flat
 
 FORMS = ("training", "functional", "core_aten")
 TOL = 1e-5
@@ -45,14 +46,6 @@ def update64(x, state, weight, bias, silu):
                 out[i, j, s] = y * torch.sigmoid(y) if silu else y
             new[i, j] = torch.stack(history[len(history) - width:])
     return out, new
-
-
-def flat(outputs) -> list:
-    return [x for x in torch.utils._pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor)]
-
-
-def clone(args):
-    return tuple(a.clone() for a in args)
 
 
 def assert_same(got, want, what=""):

@@ -20,6 +20,7 @@ import torch
 
 import gdn_fx
 from spellings import LOOKALIKES, MUTANT, MUTANTS, SPELLING, SPELLINGS
+from tensors import clone, flat
 
 FORMS = ("training", "functional", "core_aten")
 TOL = 1e-5  # f32, relative to each output's largest magnitude
@@ -59,14 +60,6 @@ def scan64(q, k, v, g, beta, s0, *, scale, norm):
 
 
 # --- helpers ---------------------------------------------------------------------------
-
-def flat(outputs) -> list:
-    return [x for x in torch.utils._pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor)]
-
-
-def clone(args: tuple) -> tuple:
-    return tuple(a.clone() for a in args)
-
 
 def assert_same(got, want, tol=TOL, what=""):
     got, want = flat(got), flat(want)

@@ -37,7 +37,7 @@ from gdn_fx.errors import ExportRefused
 aten = torch.ops.aten
 
 
-def _grouped_mm_op():
+def grouped_mm_op():
     """transformers' custom op, or None when transformers (or its MoE module) is absent."""
     namespace = getattr(torch.ops, "transformers", None)
     try:
@@ -114,7 +114,7 @@ def grouped_mm_as_plain_ops(module: fx.GraphModule) -> int:
     and every bounded ``aten.histc`` at :func:`histc_by_comparison`; how many changed.
     A ``histc`` whose range comes from the data (``min == max``) is refused: its bins would
     depend on values tract cannot see at export."""
-    grouped = _grouped_mm_op()
+    grouped = grouped_mm_op()
     count = 0
     for node in module.graph.nodes:
         if grouped is not None and node.target is grouped:

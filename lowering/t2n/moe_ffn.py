@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from gdn_fx.errors import UsageError
+from gdn_fx.lowering.t2n.moe import grouped_mm_op
 
 LOG = logging.getLogger("gdn_fx.lowering")
 
@@ -109,14 +110,6 @@ def fusion_refused(target) -> Optional[str]:
 
 # --- finding the block by structure -----------------------------------------------------------
 
-def _grouped_mm_op():
-    namespace = getattr(torch.ops, "transformers", None)
-    try:
-        return namespace.grouped_mm_fallback.default if namespace is not None else None
-    except (AttributeError, RuntimeError):  # torch.ops raises on unknown names
-        return None
-
-
 def _inputs(node: fx.Node) -> list[fx.Node]:
     return list(node.all_input_nodes)
 
@@ -178,7 +171,7 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
 
 def _pairs(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """(up, down): the two grouped_mm nodes that share one offsets tensor, down reading up."""
-    op = _grouped_mm_op()
+    op = grouped_mm_op()
     by_offsets: dict = {}
     for node in graph.nodes:
         if op is not None and node.target is op:
