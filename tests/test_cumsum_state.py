@@ -40,3 +40,19 @@ def test_the_rewrite_touches_only_that_fragment_and_refuses_another_form():
     assert reset_cumsum_scans(fixed) == fixed
     with pytest.raises(InternalError, match="tract_cumsum"):
         reset_cumsum_scans("fragment tract_cumsum(\n{\n    o = x;\n}\n")
+
+
+def test_compare_runs_a_kept_state_twice_and_sees_a_scan_that_keeps_its_sum(tmp_path):
+    # The written graph with its cumsum scan put back to torch-to-nnef's reset_every_turn =
+    # false: a fresh State answers right, so only the second run of one State shows the bug.
+    x = torch.randn(2, 5)
+    path = gdn_fx.export_nnef(torch.export.export(Cumulative(), (x,)), tmp_path / "c.nnef")
+    want = [torch.from_numpy(np.cumsum(x.numpy(), axis=1) * 2)]  # numpy's, not the program's
+    assert tract_check.compare(path, want, [x]).ok
+    graph = path / "graph.nnef"
+    graph.write_text(graph.read_text().replace("reset_every_turn = true",
+                                               "reset_every_turn = false"))
+    first, second = tract_check.kept_state_runs(path, [x])
+    assert np.allclose(first[0], want[0].numpy(), rtol=1e-6, atol=1e-6)  # a fresh State: right
+    found = tract_check.compare(path, want, [x])
+    assert not found.ok and found.errors[0] > 0.1, str(found)
