@@ -352,28 +352,13 @@ def main(argv=None) -> None:
         print("EXPORT", json.dumps(art), flush=True)
         if not art["main"]:
             sys.exit(1)
-    timing = b._child("peer.run_peer", art["main"]) if hasattr(b, "peer") else \
-        _child_run(art["main"])
+    timing = b._child("peer.run_peer", art["main"])  # a fresh one-thread process
     print("RUN", json.dumps(timing), flush=True)
     if not args.no_check:
         import torch
 
         torch.set_num_threads(1)
         print("CHECK", json.dumps(check_peer(shape, art["main"])), flush=True)
-
-
-def _child_run(path: str) -> dict:
-    """run_peer in a fresh one-thread process (as bench_generate._child runs an engine)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRACT_NUM_THREADS="1")
-    here = str(Path(__file__).resolve().parent)
-    code = (f"import sys, json; sys.path.insert(0, {here!r}); import bench_generate as b; "
-            f"import peer; r = peer.run_peer({path!r}); r['peak_rss'] = b.peak_rss(); "
-            "print('RESULT', json.dumps(r))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise RuntimeError(f"run_peer failed: {out.stderr[-2000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 if __name__ == "__main__":
