@@ -19,9 +19,8 @@ import torch
 import gdn_fx
 from chunk_spellings import MUTANT, MUTANTS, SPELLING, SPELLINGS, TwoFlaChunkLayers, inputs
 from gdn_fx.reference import recurrent_delta_rule_reference
-from tensors import clone, flat
+from tensors import FORMS, clone, flat, in_form
 
-FORMS = ("training", "functional", "core_aten")
 TOL = 1e-5
 
 
@@ -55,10 +54,7 @@ def exported(kind: str, name: str):
 
 def collapse(kind: str, name: str, form: str):
     module, args, ep = exported(kind, name)
-    if form == "functional":
-        ep = ep.run_decompositions({})
-    elif form == "core_aten":
-        ep = ep.run_decompositions()
+    ep = in_form(ep, form)
     result = gdn_fx.collapse(ep)
     return result, result.program.module()(*clone(args)), module(*clone(args))
 

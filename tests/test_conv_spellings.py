@@ -19,9 +19,8 @@ import torch
 
 import gdn_fx
 from conv_spellings import LOOKALIKES, MUTANT, MUTANTS, SPELLING, SPELLINGS
-from tensors import clone, flat
+from tensors import FORMS, clone, flat, in_form
 
-FORMS = ("training", "functional", "core_aten")
 TOL = 1e-5
 NAME = "causal_conv1d_update"
 FUSED = torch.ops.gdn_fx.causal_conv1d_update.default
@@ -104,10 +103,7 @@ def exported(name):
 
 def collapse_and_run(name, form):
     module, args, ep = exported(name)
-    if form == "functional":
-        ep = ep.run_decompositions({})
-    elif form == "core_aten":
-        ep = ep.run_decompositions()
+    ep = in_form(ep, form)
     result = gdn_fx.collapse(ep)
     return result, run_program(result.program, module, args), run_eager(module, args)
 

@@ -20,9 +20,8 @@ import torch
 
 import gdn_fx
 from spellings import LOOKALIKES, MUTANT, MUTANTS, SPELLING, SPELLINGS
-from tensors import clone, flat
+from tensors import FORMS, clone, flat, in_form
 
-FORMS = ("training", "functional", "core_aten")
 TOL = 1e-5  # f32, relative to each output's largest magnitude
 
 
@@ -103,10 +102,7 @@ def exported(kind: str, name: str):
 
 def program(kind: str, name: str, form: str):
     module, args, ep = exported(kind, name)
-    if form == "functional":
-        ep = ep.run_decompositions({})
-    elif form == "core_aten":
-        ep = ep.run_decompositions()
+    ep = in_form(ep, form)
     return module, args, ep
 
 
