@@ -72,10 +72,11 @@ def test_the_automatic_prefill_chunk_follows_the_widest_projection(tmp_path):
     model = tiny_model("qwen3_5")
     widest = max(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
     files = export_generator(model, tmp_path / "q.nnef.tgz", decode=False)
-    assert auto_prefill_chunk(files.main, l2_bytes=4 * widest * 150) == 128  # 64-token steps
-    assert auto_prefill_chunk(files.main, l2_bytes=4 * widest * 40) == 32  # below one step
-    assert auto_prefill_chunk(files.main, l2_bytes=4 * widest * 3) == 16  # the floor
-    assert auto_prefill_chunk(files.main, l2_bytes=1 << 40) == 512  # the ceiling
+    text = tract_check.nnef_text(files.main)
+    assert auto_prefill_chunk(text, l2_bytes=4 * widest * 150) == 128  # 64-token steps
+    assert auto_prefill_chunk(text, l2_bytes=4 * widest * 40) == 32  # below one step
+    assert auto_prefill_chunk(text, l2_bytes=4 * widest * 3) == 16  # the floor
+    assert auto_prefill_chunk(text, l2_bytes=1 << 40) == 512  # the ceiling
 
 
 def test_the_artifact_declares_symbolic_lengths_and_the_contract_order(tmp_path):

@@ -258,9 +258,10 @@ class Generator:
 
         self.main = tract_check.load(main).spawn_state()
         self.decode = tract_check.load(decode).spawn_state() if decode else self.main
-        self.zero_states = _zero_states(main)
+        text = tract_check.nnef_text(main)  # read once: in a .tgz it follows the weights
+        self.zero_states = _zero_states(text)
         if prefill_chunk == "auto":
-            prefill_chunk = auto_prefill_chunk(main)
+            prefill_chunk = auto_prefill_chunk(text)
         if prefill_chunk is not None and prefill_chunk < 1:
             raise UsageError(f"prefill_chunk must be >= 1 (or None), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -315,16 +316,15 @@ _L2_FALLBACK = 1 << 20
 _WEIGHT = re.compile(r"label = '[^']*\.weight', shape = \[(\d+), (\d+)\]\)")
 
 
-def auto_prefill_chunk(path: Union[str, Path], l2_bytes: Optional[int] = None) -> int:
-    """The longest prompt chunk whose f32 activations, in the artifact's widest projection,
+def auto_prefill_chunk(graph_text: str, l2_bytes: Optional[int] = None) -> int:
+    """The longest prompt chunk whose f32 activations, in the widest projection of the
+    artifact whose graph.nnef is ``graph_text`` (``tract_check.nnef_text``),
     fit the L2 cache (this machine's, from sysfs): a multiple of the chunked delta-rule scan's
     step (64 tokens: a call's S is padded to it), or of 16 below one step; 16 to 512. f16
     models get the same chunk (conservative: their activations take half the bytes)."""
-    from gdn_fx import tract_check
     from gdn_fx.lowering.gdn_chunked import SCAN_CHUNK, SCAN_CHUNKS_PER_STEP
 
-    text = tract_check.nnef_text(path)
-    widths = [int(inner) for _, inner in _WEIGHT.findall(text)]  # torch Linear: [out, in]
+    widths = [int(inner) for _, inner in _WEIGHT.findall(graph_text)]  # torch Linear: [out, in]
     rows = (l2_bytes or _l2_bytes()) // (4 * max(widths or [1]))
     step = SCAN_CHUNK * SCAN_CHUNKS_PER_STEP if rows >= SCAN_CHUNK * SCAN_CHUNKS_PER_STEP else 16
     return int(min(512, max(16, rows // step * step)))
@@ -353,12 +353,10 @@ EXTERNAL = re.compile(r"(\w+) = tract_core_external\(shape = \[([^\]]*)\], "
 DATUM = {"f32": np.float32, "f16": np.float16, "f64": np.float64, "i64": np.int64}
 
 
-def _zero_states(path: Union[str, Path]) -> list:
+def _zero_states(graph_text: str) -> list:
     """Zero caches for a first prefill, from the NNEF's input declarations (every input after
     ``input_ids``): P = 0 for attention caches, zeros of their shape for the other states."""
-    from gdn_fx import tract_check
-
-    found = EXTERNAL.findall(tract_check.nnef_text(path))
+    found = EXTERNAL.findall(graph_text)
     zeros = []
     for name, dims, datum in found[1:]:
         shape = [0 if d.strip() == "P" else int(d) for d in dims.split(",")]
