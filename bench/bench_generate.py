@@ -233,7 +233,8 @@ def _peer_export(args, shape: dict, folder: Path, notes: list) -> dict:
     art = (peer.previous_export(args.peer_from) if args.peer_from
            else peer.export_peer(shape, folder))
     if not art.get("main"):
-        notes.append("peer: export failed: " + art["error"].strip().splitlines()[-1])
+        lines = (art.get("error") or "").strip().splitlines() or ["no output"]
+        notes.append("peer: export failed: " + lines[-1])
     else:
         notes.append(f"peer: decoder graph {'of an earlier run, ' if args.peer_from else ''}"
                      f"export {art['export']:.0f} s (its vision graph, "
