@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.chunk_meaning import collapse_chunks_by_meaning
+from gdn_fx.passes.chunk_meaning import collapse_chunks_by_meaning, find_chunk_forms
 from gdn_fx.passes.conv_update import collapse_conv_updates, find_conv_updates
 from gdn_fx.passes.gdn_chunk import collapse_chunked, find_chunked
 from gdn_fx.passes.gdn_recurrent import collapse_recurrences, find_unrolled as _unrolled_steps
@@ -99,10 +99,15 @@ def _still_standing(misses: list, graph: fx.Graph) -> list:
 def find_unrolled(program: Any) -> list[str]:
     """What in ``program`` is frozen at the traced sequence length (empty when nothing is).
 
-    Unrolled recurrence steps, chunked forms, and conv updates whose output slice is a literal.
+    Unrolled recurrence steps, chunked forms (transformers' by template, any other by the
+    shape of the region the meaning rule would decide: FLA's, a per-chunk loop, also when it
+    is not the delta rule), and conv updates whose output slice is a literal.
     """
     gm, _ = graph_module_of(program)
-    return _unrolled_steps(gm.graph) + find_chunked(gm.graph) + find_conv_updates(gm.graph)
+    chunked = find_chunked(gm.graph)
+    named = frozenset(text.split(" at node ")[1].split(" ")[0] for text in chunked)
+    return (_unrolled_steps(gm.graph) + chunked + find_chunk_forms(gm.graph, named)
+            + find_conv_updates(gm.graph))
 
 
 def _sync_export(ep: torch.export.ExportedProgram, gm: fx.GraphModule, inplace: bool):

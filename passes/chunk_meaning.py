@@ -147,8 +147,7 @@ def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
     """Fuse every chunked gated-delta region found by meaning (those keyed in ``only``, when
     given); return (new graph, keys of the fusions made, near-misses). A key names the
     region's anchor (its cumsum). ``graph`` is read, never modified."""
-    anchors = [n for n in graph.nodes if n.target is ATEN.cumsum.default
-               and dtype(n) is not None and dtype(n).is_floating_point]
+    anchors = _anchors(graph)
     if not anchors:  # the usual case once the other rules ran: no copy, no walk
         return graph, [], []
     facts = Facts.of(graph)
@@ -182,6 +181,41 @@ def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
                                node=err.node or anchor.name))
     new = rebuild(graph, fusions) if fusions else copy.deepcopy(graph)
     return new, [f.key for f in fusions], misses
+
+
+def find_chunk_forms(graph: fx.Graph, skip: frozenset = frozenset()) -> list[str]:
+    """The chunked regions the rule would decide, found by structure alone (no evaluation):
+    a floating cumsum of static shape with a region around it whose inputs are five sequence
+    tensors of one length (and maybe a state). Each is frozen at its traced length, whether
+    it computes the delta rule or not. Anchors named in ``skip`` are left out (gdn_chunk's
+    finder names transformers' forms)."""
+    anchors = [n for n in _anchors(graph) if n.name not in skip and all(
+        isinstance(d, int) for d in shape(n))]
+    if not anchors:
+        return []
+    facts, found = Facts.of(graph), []
+    for anchor in anchors:
+        length = _shaped_length(anchor, facts)
+        if length is not None:
+            found.append(f"chunked gated-delta form at node {anchor.name} (length {length})")
+    return found
+
+
+def _anchors(graph: fx.Graph) -> list:
+    return [n for n in graph.nodes if n.target is ATEN.cumsum.default
+            and dtype(n) is not None and dtype(n).is_floating_point]
+
+
+def _shaped_length(anchor: fx.Node, facts: Facts) -> Optional[int]:
+    """The sequence length of the first region around ``anchor`` shaped like a chunked
+    form (the ends and cuts ``_decide_anchor`` would evaluate), None when there is none."""
+    for run in _runs(anchor, facts):
+        for value, final, end in reversed(run):
+            core = _closure([value] + ([final] if final is not None else []),
+                            facts.order[anchor], end, facts)
+            for _, fits in _cuts(core, value, final, end, facts, set()):
+                return fits[0].length
+    return None
 
 
 def _plan(verdict: Verdict, anchor: fx.Node, order: dict, mode, taken: set):
@@ -592,19 +626,24 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
     worst_o, worst_s, scales, where = 0.0, 0.0, [], ""
     chunk = _chunk_size(cut)
     batch = fit.state_shape[:-2]
+    heads = _heads_checked(layout, batch)
+    key_heads = [layout.key_head(h) for h in heads]
+    lasts = [key_heads if i in (layout.roles["q"], layout.roles["k"]) else heads
+             for i in range(len(fit.groups))]
     for ins, (value, final) in points:
         by_node = dict(zip(cut.inputs, ins))
         s = by_node[fit.state] if fit.state is not None else \
             torch.zeros(fit.state_shape, dtype=torch.float64)
-        s = _some(s, batch)
+        s = _some(s, batch, heads)
         refs, gots = [], []
         for t in range(steps):
-            reads = [_some(by_node[n].select(axis, t), batch) for n, axis in fit.groups]
+            reads = [_some(by_node[n].select(axis, t), batch, last)
+                     for (n, axis), last in zip(fit.groups, lasts)]
             s, o = reference_step(layout, s, reads)[:2]
             got = value.select(fit.value_axis, t)
             if got.numel() % math.prod(batch):
                 return float("inf"), float("inf"), 1.0, ""
-            got = _some(got.reshape(*batch, -1), batch)
+            got = _some(got.reshape(*batch, -1), batch, heads)
             if got.numel() != o.numel():
                 return float("inf"), float("inf"), 1.0, ""
             refs.append(o)
@@ -618,19 +657,30 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
         if explain and not where and worst_o > TOLERANCE:
             where = _first_wrong(error, ref, c, chunk)
         if steps == fit.length and final is not None:
-            worst_s = max(worst_s, _rel(_some(final.reshape(fit.state_shape), batch), s))
+            worst_s = max(worst_s, _rel(_some(final.reshape(fit.state_shape), batch, heads), s))
     if abs(scales[0] - scales[-1]) > TOLERANCE * max(abs(scales[0]), 1e-30) or scales[0] == 0:
         worst_o = max(worst_o, 1.0)
     return worst_o, worst_s, scales[0], where
 
 
-def _some(x: torch.Tensor, batch) -> torch.Tensor:
+def _some(x: torch.Tensor, batch, last: list) -> torch.Tensor:
     """``x`` (leading axes: the state's batch) at the first and last entry of each batch
-    axis (heads included): a slip that spares some heads still shows, and translation
-    validation then runs every head."""
+    axis but the heads (the last), there at the entries ``last``: a slip that spares some
+    heads still shows, and translation validation then runs every head."""
     for axis, size in enumerate(batch):
-        x = x.index_select(axis, torch.tensor(sorted({0, size - 1})))
+        index = last if axis == len(batch) - 1 else sorted({0, size - 1})
+        x = x.index_select(axis, torch.tensor(index))
     return x
+
+
+def _heads_checked(layout: Layout, batch) -> list:
+    """The value heads the rule is run for: the first and the last; under GQA head 1 too,
+    where grouped (h // G) and tiled (h % Hk) key heads differ (at 0 and the last they
+    agree)."""
+    if not batch:
+        return []
+    count = batch[-1]
+    return sorted({0, count - 1} | ({1} if layout.key_heads is not None else set()))
 
 
 def _first_wrong(error: torch.Tensor, ref: torch.Tensor, c: float, chunk: int) -> str:

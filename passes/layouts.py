@@ -45,23 +45,53 @@ class Layout:
     state_shape: tuple
     out_shape: tuple  # o_t's shape
     scale: float = 1.0  # o = scale * q^T S
+    # Grouped value heads (GQA): q and k have this many heads on the state's head axis (its
+    # last batch axis), fewer than the state; value head h reads key head h // G (as the op
+    # does, G = heads / key_heads), or h % key_heads when ``tiled`` (a ``repeat``: the op is
+    # then handed q and k repeated so, outside it). None: q and k have the state's heads.
+    key_heads: Optional[int] = None
+    tiled: bool = False
 
     def with_scale(self, scale: float) -> "Layout":
         return replace(self, scale=scale)
 
+    def key_head(self, head: int) -> int:
+        """The key head that value head ``head`` reads."""
+        if self.key_heads is None:
+            return head
+        if self.tiled:
+            return head % self.key_heads
+        return head // (self.state_shape[-3] // self.key_heads)
+
     def describe(self) -> str:
         state = "key-first" if self.key_first else "value-first"
         gate = "log gate" if self.log_gate else "decay"
-        return f"{state} state, {gate}, scale {self.scale:.6g}"
+        heads = "" if self.key_heads is None else \
+            f", q and k on {self.key_heads} heads ({'tiled' if self.tiled else 'grouped'})"
+        return f"{state} state, {gate}, scale {self.scale:.6g}{heads}"
 
 
 def group_features(read_shape: list, state_shape) -> Optional[list]:
     """Feature dims of a tensor read at one position, once the state's batch axes are off its
-    front (size-1 axes dropped); None when its leading axes are not the state's batch."""
-    batch = list(state_shape[:-2])
-    if list(read_shape[:len(batch)]) != batch:
+    front (size-1 axes dropped); None when its leading axes are not the state's batch (its
+    head axis may have fewer heads, a divisor of the state's: q and k under GQA)."""
+    if group_heads(read_shape, state_shape) is None:
         return None
-    return [d for d in read_shape[len(batch):] if d != 1]
+    return [d for d in read_shape[len(state_shape) - 2:] if d != 1]
+
+
+def group_heads(read_shape: list, state_shape) -> Optional[int]:
+    """The heads of a read on the state's head axis (its last batch axis; 0 when the state
+    has no batch axes): the state's, or a proper divisor of them; None when the read's
+    leading axes are not the state's batch."""
+    batch = list(state_shape[:-2])
+    lead = list(read_shape[:len(batch)])
+    if not batch:
+        return 0
+    if len(lead) != len(batch) or lead[:-1] != batch[:-1]:
+        return None
+    heads = lead[-1]
+    return heads if heads == batch[-1] or (0 < heads and batch[-1] % heads == 0) else None
 
 
 def batch_heads(state_shape) -> tuple[int, int]:
@@ -90,18 +120,21 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
     ops = scan_operands({r: s for r, (s, _) in sources.items()}, state, head_major=head_major)
     ops.scale *= layout.scale
     b, h = batch_heads(layout.state_shape)
-    wants = {role: [b, length, h] + ([] if role == "beta" else list(
-        layout.features[layout.roles[role]])) for role in sources}
+    hk = layout.key_heads or h
+    wants = {role: [b, length, hk if role in ("q", "k") else h] + ([] if role == "beta" else
+             list(layout.features[layout.roles[role]])) for role in sources}
     odd = {role for role, (source, time_axis) in sources.items()
            if not _standard(source, time_axis, head_major, wants[role])}
-    if odd & {"q", "k"}:  # q and k are peeled together (l2norm, scale, GQA): undo both
-        odd |= {"q", "k"}
+    if odd & {"q", "k"} or layout.tiled:  # q and k are peeled together (l2norm, scale, GQA):
+        odd |= {"q", "k"}  # undo both; tiled heads are repeated from what the loop reads
         ops.qk_l2norm, ops.scale = False, layout.scale
     for role in odd:
         source, time_axis = sources[role]
         ops.nodes[role] = _peel_casts(source)
         ops.to_time_major.discard(role)
         ops.adapters[role] = _adapt(shape(source), time_axis, wants[role])
+        if layout.tiled and role in ("q", "k"):  # [B, T, Hk, D] -> [B, T, H, D], h % Hk
+            ops.adapters[role].append((ATEN.repeat.default, ([1, 1, h // hk, 1],)))
     if not layout.log_gate:  # the loop walks exp(g): hand the op g (peeled, or log taken)
         decay = ops.nodes["g"]
         if decay.target is ATEN.exp.default and shape(decay.args[0]) == shape(decay):
@@ -147,8 +180,14 @@ def _standard(source: fx.Node, time_axis: int, head_major: bool, want: list) -> 
 
 
 def _adapt(dims, time_axis: int, want: list) -> list:
-    """permute (time first), reshape to [T, B, H, ..], permute to [B, T, H, ..]."""
+    """permute (time first), reshape to [T, B, H, ..], permute to [B, T, H, ..]; nothing or
+    one transpose where the tensor is [B, T, H, ..] or [B, H, T, ..] already (a loop's q and
+    k are undone together when one of them is odd, and tiled heads are undone always)."""
     rank = len(dims)
+    if list(dims) == want and time_axis == 1:
+        return []
+    if rank >= 3 and time_axis == 2 and [dims[0], dims[2], dims[1], *dims[3:]] == want:
+        return [(ATEN.transpose.int, (1, 2))]
     first = [time_axis] + [i for i in range(rank) if i != time_axis]
     steps = [(ATEN.permute.default, (first,))]
     steps.append((ATEN.reshape.default, ([want[1], want[0], want[2]] + want[3:],)))

@@ -47,8 +47,11 @@ def fake_mode_of(graph: fx.Graph) -> FakeTensorMode:
     torch.export uses one mode (symbolic sizes live there); make_fx on real tensors gives every
     value its own, with concrete sizes, which a fresh mode can rebuild.
     """
-    values = [val(n) for n in graph.nodes if isinstance(val(n), FakeTensor)]
-    modes = {id(v.fake_mode): v.fake_mode for v in values}
+    modes = {}
+    for node in graph.nodes:  # one look per node: an unrolled loop has ~10^4 of them
+        value = node.meta.get("val")
+        if isinstance(value, FakeTensor):
+            modes[id(value.fake_mode)] = value.fake_mode
     return next(iter(modes.values())) if len(modes) == 1 else FakeTensorMode()
 
 
@@ -77,12 +80,24 @@ def is_pure(node: fx.Node) -> bool:
     """A call that only computes its value: an aten op without side effects, or a Python
     operator on sizes. Anything else (torch.vmap's nesting calls, higher-order ops, ...) may
     act on the interpreter's state and is kept even when nothing reads its value."""
-    if node.op != "call_function" or node.is_impure():
+    if node.op != "call_function":
         return False
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return not target._schema.is_mutable
+        known = _PURE_OVERLOADS.get(target)
+        if known is None:
+            known = _PURE_OVERLOADS[target] = not node.is_impure() and \
+                not target._schema.is_mutable
+        return known
+    if node.is_impure():
+        return False
     return getattr(target, "__module__", None) in ("_operator", "operator", "math")
+
+
+# Whether an aten overload is pure depends on the overload alone (its schema, whether it is
+# random, its registered effects: torch's is_impure reads its arguments only for higher-order
+# ops), and asking torch costs ~5 us: a pass over an unrolled loop asks for thousands of nodes.
+_PURE_OVERLOADS: dict = {}
 
 
 def _removable(node: fx.Node) -> bool:

@@ -15,18 +15,23 @@ layout fits, the nearest one says how far off the body is, and common slips are 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import fx
 
-from gdn_fx.passes.layouts import ROLE_SETS, Layout, group_features
+from gdn_fx.passes.layouts import ROLE_SETS, Layout, group_features, group_heads
 from gdn_fx.passes.loops import time_read
 from gdn_fx.passes.program import shape, val
 from gdn_fx.passes.result import NoMatch
 
 TOLERANCE = 1e-9
+# The screen of a layout search (a subset of the heads) passes what is within this of the
+# rule; relative to the subset's own largest value, which may be smaller than the whole
+# tensor's, so looser than TOLERANCE: the screen must not drop a layout that fits.
+SCREEN = 1e-6
 POINTS = 2
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SEED = 1201
@@ -139,6 +144,9 @@ def decide(step, final: Optional[fx.Node], groups: list,
             return outcome if fits else Outcome(None, outcome.state_error, max(
                 outcome.out_error, TOLERANCE * 2), nearest=expect)
     points += [point() for _ in range(POINTS - 1)]
+    found = _screened_search(candidates, points, final is not None)
+    if found is not None:
+        return found
     best, state_fits = Outcome(None), []
     for layout in candidates:
         outcome = _score(layout, points, final is not None)
@@ -150,6 +158,43 @@ def decide(step, final: Optional[fx.Node], groups: list,
             state_fits.append(layout)
     best.hint = _hint(state_fits, points)
     return best
+
+
+def _screened_search(candidates: list, points, with_state: bool) -> Optional[Outcome]:
+    """The first candidate that fits, found by screening every candidate on the first and
+    last entry of each batch axis (heads included: a Qwen3.5-sized step has 16, and the
+    search scores ~25 layouts) and proving the ones that pass on the whole tensors, as the
+    full search does. The screen only decides the order of the work: a layout is accepted
+    by the same whole-tensor score at the same tolerance. None when no candidate passes
+    both (the full search then runs and finds the nearest, for the near-miss)."""
+    batch = points[0][0].shape[:-2]
+    if math.prod(batch) <= 2:  # nothing to save
+        return None
+    screen = [_entries(point, batch) for point in points]
+    for layout in candidates:
+        if _score(layout, screen, with_state, SCREEN).layout is None:
+            continue
+        outcome = _score(layout, points, with_state)
+        if outcome.layout is not None:
+            return outcome
+    return None
+
+
+def _entries(point, batch):
+    """A point (s0, reads, (S', o)) at the first and last entry of each batch axis. A read
+    and S' lead with the state's batch axes; o is laid out as [*batch, Dv] (``_score``
+    reshapes it so)."""
+    s0, ins, (s_got, o_got) = point
+
+    def some(x):
+        for axis, size in enumerate(batch):
+            x = x.index_select(axis, torch.tensor(sorted({0, size - 1})))
+        return x
+
+    o_flat = o_got.reshape(*batch, -1) if o_got.numel() % math.prod(batch) == 0 else None
+    return (some(s0), [some(x) for x in ins],
+            (some(s_got) if s_got is not None else None,
+             some(o_flat) if o_flat is not None else o_got))
 
 
 def _read_shape(group) -> list:
@@ -169,6 +214,7 @@ def layouts_for(state_shape, groups, out_shape):
     feats = [group_features(_read_shape(g), state_shape) for g in groups]
     if any(f is None for f in feats) or len(groups) != 5:
         return
+    heads = [group_heads(_read_shape(g), state_shape) for g in groups]
     d1, d2 = state_shape[-2:]
     for roles_names in ROLE_SETS:
         for key_first in (True, False):
@@ -177,9 +223,25 @@ def layouts_for(state_shape, groups, out_shape):
                 assign = dict(zip(roles_names, roles))
                 if not _widths_fit(assign, feats, dk, dv):
                     continue
-                for log_gate in (True, False):
-                    yield Layout(assign, key_first, log_gate, tuple(feats), tuple(state_shape),
-                                 tuple(out_shape))
+                for key_heads, tiled in _head_maps(assign, heads, state_shape):
+                    for log_gate in (True, False):
+                        yield Layout(assign, key_first, log_gate, tuple(feats),
+                                     tuple(state_shape), tuple(out_shape),
+                                     key_heads=key_heads, tiled=tiled)
+
+
+def _head_maps(assign, heads, state_shape) -> list:
+    """(key heads, tiled) pairs a role assignment allows: (None, False) when every read has
+    the state's heads; under GQA only q and k may have fewer, the same number, read grouped
+    (value head h -> key head h // G) or tiled (h % Hk), which differ unless Hk = 1."""
+    full = state_shape[-3] if len(state_shape) > 2 else 0
+    fewer = {i for i, h in enumerate(heads) if h != full}
+    if not fewer:
+        return [(None, False)]
+    q, k = assign["q"], assign["k"]
+    if fewer != {q, k} or heads[q] != heads[k]:
+        return []
+    return [(heads[q], False)] + ([(heads[q], True)] if heads[q] > 1 else [])
 
 
 def _widths_fit(assign, feats, dk, dv) -> bool:
@@ -193,7 +255,7 @@ def reference_step(layout: Layout, s0, ins):
     """The delta rule's (S', o) for these inputs under ``layout``, in the body's layout (one
     step; chunk_meaning.py runs it along a whole sequence)."""
     batch = s0.shape[:-2]
-    x = {r: ins[i].reshape(*batch, -1) if layout.features[i] else ins[i].reshape(batch)
+    x = {r: _per_value_head(ins[i], bool(layout.features[i]), layout, batch)
          for r, i in layout.roles.items()}
     s = s0 if layout.key_first else s0.transpose(-1, -2)
     decay = x["g"].exp() if layout.log_gate else x["g"]
@@ -209,12 +271,23 @@ def reference_step(layout: Layout, s0, ins):
     return s_back, o, s0 if layout.key_first else s0.transpose(-1, -2), x
 
 
+def _per_value_head(read: torch.Tensor, features: bool, layout: Layout, batch):
+    """A read as [*batch, features] (or [*batch]); q or k on fewer heads (GQA) indexed to
+    the value heads by the layout's map."""
+    lead = tuple(read.shape[:len(batch)])
+    read = read.reshape(*lead, -1) if features else read.reshape(lead)
+    if lead == tuple(batch):
+        return read
+    index = torch.tensor([layout.key_head(h) for h in range(batch[-1])])
+    return read.index_select(len(batch) - 1, index)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = max(b.abs().max().item(), 1e-30)
     return (a - b).abs().max().item() / scale
 
 
-def _score(layout: Layout, points, with_state: bool) -> Outcome:
+def _score(layout: Layout, points, with_state: bool, tolerance: float = TOLERANCE) -> Outcome:
     worst_s, worst_o, scales = 0.0, 0.0, []
     for s0, ins, (s_got, o_got) in points:
         s_ref, o_ref, _, _ = reference_step(layout, s0, ins)
@@ -228,9 +301,9 @@ def _score(layout: Layout, points, with_state: bool) -> Outcome:
         c = (o_got * o_ref).sum().item() / max((o_ref * o_ref).sum().item(), 1e-300)
         scales.append(c)
         worst_o = max(worst_o, _rel(o_got, c * o_ref))
-    if abs(scales[0] - scales[-1]) > TOLERANCE * max(abs(scales[0]), 1e-30) or scales[0] == 0:
+    if abs(scales[0] - scales[-1]) > tolerance * max(abs(scales[0]), 1e-30) or scales[0] == 0:
         worst_o = max(worst_o, 1.0)
-    if worst_s <= TOLERANCE and worst_o <= TOLERANCE:
+    if worst_s <= tolerance and worst_o <= tolerance:
         return Outcome(layout.with_scale(scales[0]), worst_s, worst_o)
     return Outcome(None, worst_s, worst_o, nearest=layout)
 

@@ -109,7 +109,7 @@ def _chunks_seq_major(x, chunk):
 
 def fla_naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
                         output_final_state=False, chunk_size=64, *, beta_on_columns=True,
-                        qk_gate_sign=1.0):
+                        qk_gate_sign=1.0, k_tiled=False):
     """Follows fla/ops/kda/naive.py's naive_chunk_kda: sequence-major inputs with T a multiple
     of the chunk size, repeat_interleave for grouped value heads after chunking, per-key
     decays, A built one column at a time by einsum, the in-loop solve, S = new_zeros then
@@ -125,7 +125,7 @@ def fla_naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None,
     q, k = [_chunks_seq_major(x, BT).to(torch.float) for x in [q, k]]
     v, g, beta = [_chunks_seq_major(x, BT).to(torch.float) for x in [v, g, beta]]
     q = q.repeat_interleave(G, dim=1) * scale
-    k = k.repeat_interleave(G, dim=1)
+    k = k.repeat(1, G, 1, 1, 1) if k_tiled else k.repeat_interleave(G, dim=1)
     g = g.cumsum(-2)
     mask = torch.triu(torch.ones(BT, BT, dtype=torch.bool, device=q.device), diagonal=0)
     A = torch.zeros(*g.shape[:-1], BT, dtype=torch.float, device=q.device)
@@ -246,6 +246,26 @@ class FlaChunkKDA(nn.Module):
                                    **self.edit)
 
 
+class GroupedFlaChunkGDN(nn.Module):
+    """Grouped value heads as Qwen3-Next's layer hands them to a chunk kernel: q and k of Hk
+    heads repeated to the value heads by the caller (``repeat_interleave`` on the head axis:
+    value head h reads key head h // G; ``tiled``: ``repeat``, h % Hk), then FLA's
+    naive_chunk_gated_delta_rule."""
+
+    def __init__(self, tiled=False):
+        super().__init__()
+        self.tiled = tiled
+
+    def forward(self, q, k, v, g, beta, s0):
+        groups = v.shape[2] // q.shape[2]
+        if self.tiled:
+            q, k = (x.repeat(1, 1, groups, 1) for x in (q, k))
+        else:
+            q, k = (x.repeat_interleave(groups, dim=2) for x in (q, k))
+        return fla_naive_chunk_gdn(q, k, v, g, beta, initial_state=s0,
+                                   output_final_state=True)
+
+
 class BmmChunkGDN(nn.Module):
     """A per-chunk loop with bmm, heads merged, chunk size 16."""
 
@@ -299,12 +319,18 @@ def inputs(b, t, h, dk, dv, *, state=True, **kw) -> Callable[[], tuple]:
     return build
 
 
-def reference(*, state=True, final_state=True, scale="rsqrt"):
-    """(args, scan) -> outputs, for a module taking (q, k, v, g, beta[, s0]) sequence-major."""
+def reference(*, state=True, final_state=True, scale="rsqrt", tiled=False):
+    """(args, scan) -> outputs, for a module taking (q, k, v, g, beta[, s0]) sequence-major;
+    ``scan`` reads q and k of Hk heads grouped (value head h reads key head h // G);
+    ``tiled``: the module reads key head h % Hk, so q and k are tiled to the value heads here
+    first."""
     def recompute(args, scan):
-        q = args[0]
+        q, k = args[:2]
         factor = q.shape[-1] ** -0.5 if scale == "rsqrt" else scale
-        o, s = scan(*args[:5], args[5] if state else None, scale=factor, norm=None)
+        if tiled:
+            groups = args[2].shape[2] // q.shape[2]
+            q, k = (torch.cat([x] * groups, dim=2) for x in (q, k))
+        o, s = scan(q, k, *args[2:5], args[5] if state else None, scale=factor, norm=None)
         return (o, s) if final_state else o
     return recompute
 
@@ -340,6 +366,14 @@ SPELLINGS = [
              reference()),
     Spelling("fla_chunk_kda_one_chunk", "kda", FlaChunkKDA,
              inputs(1, 64, 2, 4, 4, kda=True, seed=5), reference()),
+    # grouped value heads (GQA): FLA's KDA repeats q and k itself, after chunking; a caller
+    # repeats them for FLA's GDN, interleaved (Qwen3-Next's habit) or tiled
+    Spelling("fla_chunk_kda_gqa", "kda", FlaChunkKDA,
+             inputs(1, 128, 6, 4, 4, hk=3, kda=True, seed=7), reference()),
+    Spelling("fla_chunk_gdn_gqa", "gdn", GroupedFlaChunkGDN,
+             inputs(1, 70, 4, 8, 6, hk=2, seed=8), reference()),
+    Spelling("fla_chunk_gdn_gqa_tiled", "gdn", lambda: GroupedFlaChunkGDN(tiled=True),
+             inputs(1, 70, 4, 8, 6, hk=2, seed=9), reference(tiled=True)),
     # another author: chunk 16, bmm, merged heads
     Spelling("bmm_chunk16_gdn", "gdn", BmmChunkGDN, inputs(2, 48, 2, 8, 4, seed=6),
              reference()),
@@ -359,6 +393,10 @@ MUTANTS = [
            "(I + A)^-1 not scaled by beta on its columns"),
     Mutant("fla_kda_qk_gate_sign", "fla_chunk_kda", lambda: FlaChunkKDA(qk_gate_sign=-1.0),
            "the intra-chunk q k^T decays e^(G_j - G_i) instead of e^(G_i - G_j)"),
+    Mutant("fla_kda_gqa_k_tiled", "fla_chunk_kda_gqa", lambda: FlaChunkKDA(k_tiled=True),
+           "k repeated to the value heads tiled (k.repeat) while q is interleaved: value "
+           "head h pairs q of key head h // G with k of key head h % Hk (two chunks: the "
+           "repeats act on chunked tensors, so the region must start before them)"),
     Mutant("bmm_inter_without_decay", "bmm_chunk16_gdn",
            lambda: BmmChunkGDN(decay_inside=False),
            "the readout from the carried state misses the in-chunk decay e^G_i"),

@@ -66,7 +66,9 @@ def test_the_corpus_is_as_promised():
     assert len(names) == len(set(names))
     assert {"fla_chunk_gdn", "fla_chunk_kda", "bmm_chunk16_gdn"} <= set(SPELLING)
     assert {s.family for s in SPELLINGS} == {"gdn", "kda"}
-    assert len(MUTANTS) >= 6 and all(m.base in SPELLING for m in MUTANTS)
+    assert len(MUTANTS) >= 7 and all(m.base in SPELLING for m in MUTANTS)
+    assert any(SPELLING[s].inputs()[0].shape[2] < SPELLING[s].inputs()[2].shape[2]
+               for s in SPELLING), "a spelling with grouped value heads"
 
 
 @pytest.mark.parametrize("name", [s.name for s in SPELLINGS])
@@ -101,17 +103,24 @@ def test_spelling_fuses(name, form):
 def test_fused_node_reads_the_module_inputs(name):
     """The whole region went: the op reads the module's inputs (the state made inside when
     none is given), with FLA's default scale 1/sqrt(Dk), and nothing of the chunk algebra
-    (no cumsum, no triu mask, no forward substitution) is left."""
+    (no cumsum, no triu mask, no forward substitution) is left. Grouped value heads: the op
+    reads q and k of Hk heads itself (its own h // G), or, tiled (h % Hk), repeated to the
+    value heads outside it."""
     result, _, _ = collapse("spelling", name, "training")
     graph = result.program.graph_module.graph
     (node,) = [n for n in graph.nodes if n.target is torch.ops.gdn_fx.gated_delta_scan.default]
     _, args, _ = exported("spelling", name)
     dk = args[0].shape[-1]
     assert node.kwargs["scale"] == pytest.approx(dk ** -0.5)
-    names = [a.name for a in node.args[:5]]
+    tiled = name.endswith("_tiled")
+    qk = [a.args[0] if tiled and a.target is torch.ops.aten.repeat.default else a
+          for a in node.args[:2]]
+    names = [a.name for a in qk + list(node.args[2:5])]
     assert names == ["q", "k", "v", "g", "beta"]
+    assert [tuple(a.meta["val"].shape) for a in qk] == [tuple(args[0].shape)] * 2
     left = {n.target for n in graph.nodes}
     assert not left & {torch.ops.aten.cumsum.default, torch.ops.aten.triu.default}
+    assert gdn_fx.find_unrolled(result.program) == []
     assert sum(n.op == "call_function" for n in graph.nodes) < 16
 
 
@@ -122,6 +131,20 @@ def test_mutant_stays_unfused(name):
     assert_same(got, want, what=f"collapsed vs eager ({report}): ")
     assert result.counts["gated_delta_scan"] == 0, f"{MUTANT[name].change}; {report}"
     assert any("chunked form by meaning" in str(m) for m in result.misses), report
+    # what stays is frozen at the traced length, and said so (export refuses dynamic axes)
+    _, args, _ = exported("mutant", name)
+    assert f"chunked gated-delta form at node cumsum (length {args[0].shape[1]})" in \
+        gdn_fx.find_unrolled(result.program)
+
+
+@pytest.mark.parametrize("name", [s.name for s in SPELLINGS])
+def test_find_unrolled_names_the_chunked_form(name):
+    """Every chunked spelling, padded or not, FLA's KDA (no pad: T a multiple of the chunk)
+    and the per-chunk bmm loop included, is named frozen at its length before collapse."""
+    _, args, program = exported("spelling", name)
+    found = gdn_fx.find_unrolled(program)
+    assert f"chunked gated-delta form at node cumsum (length {args[0].shape[1]})" in found, \
+        found
 
 
 def test_near_miss_names_the_chunk_where_it_goes_wrong():
