@@ -109,6 +109,11 @@ class Comparison:
         return ", ".join(f"out{i} {d} rel.err {e:.2e} (tol {t:g})" for i, (e, t, d) in
                          enumerate(zip(self.errors, self.tolerances, self.dtypes)))
 
+    def failures(self) -> str:
+        """The outputs over their tolerance only (``str`` lists every output)."""
+        return ", ".join(f"out{i} {d} rel.err {e:.2e} (tol {t:g})" for i, (e, t, d) in
+                         enumerate(zip(self.errors, self.tolerances, self.dtypes)) if e > t)
+
 
 KEPT_STATE_RUNS = 2
 
@@ -130,10 +135,12 @@ def kept_state_runs(model, inputs: Sequence, runtime: str = "cpu",
 
 
 def compare(model, want: Sequence[torch.Tensor], inputs: Sequence,
-            tolerance: Optional[float] = None, runtime: str = "cpu") -> Comparison:
+            tolerance: Union[None, float, Sequence[float]] = None,
+            runtime: str = "cpu") -> Comparison:
     """Run ``model`` in tract (a path is loaded for ``runtime``) on ``inputs``, twice on one
     kept State (:func:`kept_state_runs`), and compare each output of each run with ``want``
-    (torch); an output's error is the worse of the two runs."""
+    (torch); an output's error is the worse of the two runs. ``tolerance`` is one bound for
+    every output, one per output, or None for the dtype's own (``TOLERANCE``)."""
     runs = kept_state_runs(model, inputs, runtime)
     for got in runs:
         if len(got) != len(want):
@@ -144,8 +151,16 @@ def compare(model, want: Sequence[torch.Tensor], inputs: Sequence,
     return Comparison(
         errors=tuple(max(relative_error(got[i], w) for got in runs)
                      for i, w in enumerate(want)),
-        tolerances=tuple(tolerance or TOLERANCE.get(w.dtype, 1e-4) for w in want),
+        tolerances=tuple(_bounds(tolerance, want)),
         dtypes=tuple(str(w.dtype).replace("torch.", "") for w in want))
+
+
+def _bounds(tolerance, want: Sequence[torch.Tensor]) -> list[float]:
+    if isinstance(tolerance, Sequence):
+        if len(tolerance) != len(want):
+            raise ShapeError(f"{len(tolerance)} tolerances for {len(want)} outputs")
+        return list(tolerance)
+    return [tolerance or TOLERANCE.get(w.dtype, 1e-4) for w in want]
 
 
 def nnef_text(path: Union[str, Path]) -> str:

@@ -19,7 +19,9 @@ from gdn_fx.cli import main
 from gdn_fx.errors import ExportRefused
 from gdn_fx.hf import tiny_model
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
-from gdn_fx.hf.generator import (Generator, auto_prefill_chunk, check_generation, decode_path,
+from gdn_fx.hf.decode import DecodeStep
+from gdn_fx.hf.generator import (Generator, auto_prefill_chunk,
+                                 check_generation, decode_path, decode_problem,
                                  export_generator)
 
 pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
@@ -171,6 +173,14 @@ def test_a_half_precision_model_generates(tmp_path):
     model = tiny_model("qwen3_5", dtype=torch.float16)
     files = export_generator(model, tmp_path / "q16.nnef.tgz")
     assert "datum_type = 'f16'" in tract_check.nnef_text(files.main)
+    assert files.decode is not None, files.decode_note
     result = Generator(files.main, files.decode).generate(_prompt(), 32)
     found = check_generation(model, result)  # f16: logits within 1e-2 of transformers
     assert found.ok and found.bound == 1e-2, str(found)
+    # the f16 decode check (against the f32 twin, bounds scaled by the main graph's own f16
+    # error) still drops a decode graph that computes something else: another seed's weights
+    other = export_generator(tiny_model("qwen3_5", dtype=torch.float16, seed=1),
+                             tmp_path / "other.nnef.tgz")
+    step = DecodeStep(model, last_logits=True, whole_windows=True)
+    assert decode_problem(files.decode, files.main, step) == ""
+    assert "differs" in decode_problem(other.decode, files.main, step)

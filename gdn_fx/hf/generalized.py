@@ -22,7 +22,7 @@ from torch import nn
 
 from gdn_fx.generalize import DEFAULT_POINTS, Generalized, generalize
 from gdn_fx.hf.decode import DecodeStep
-from gdn_fx.hf.generator import GeneratorFiles, _decode_problem, decode_path
+from gdn_fx.hf.generator import GeneratorFiles, decode_path, decode_problem
 from gdn_fx.hf.nnef import prepare_for_nnef
 
 
@@ -61,7 +61,7 @@ def export_generalized(model: nn.Module, path: Union[str, Path], *, decode: bool
             if "P" in v.values()}
     written = export_nnef(gen.decode_program(), target, dynamic_axes=past,
                           symbol_min={"P": 0}, **names)
-    note = _decode_problem(written, step, None if weights == "f32" else main)
+    note = decode_problem(written, main, step, weights)
     if note:
         say(f"decode graph dropped: {note}; the main graph serves decode")
         written.unlink()
