@@ -4,9 +4,10 @@ The model is Qwen3.5-0.8B-shaped (hidden 1024, 24 layers of which 18 GDN, GDN 16
 128, attention 8 / 2 heads of 256, FFN 3584, vocab 248,320, tied embeddings, f32, random
 weights), built from its config. One thread everywhere. Each engine runs in a fresh
 subprocess (so its peak memory is its own), alternately, ``--rounds`` times; figures are
-medians over rounds. Floors, measured in the same run: weight bytes / this machine's memory
-bandwidth (one thread, a numpy sum over 1 GiB) for decode, and matmul FLOPs / tract's matmul
-peak (a 512 x 1024 x 4096 product in tract) for prefill.
+medians over rounds. Floors per format, measured in the same run: the larger of weight bytes /
+this machine's memory bandwidth (one thread, a numpy sum over 1 GiB) and matmul FLOPs / tract's
+matmul peak in that format (a [rows, 1024] x [1024, 4096] product in tract, one row for decode,
+512 for prefill).
 
     .venv/bin/python bench/bench_generate.py              # the 0.8B shape (~15 min)
     .venv/bin/python bench/bench_generate.py --quick      # 4 layers, vocab 32k (~2 min)
@@ -125,22 +126,32 @@ def bandwidth() -> float:
     return data.nbytes / best
 
 
-def tract_matmul_peak(folder: Path) -> float:
-    """FLOP/s of tract on a [1, 512, 1024] x [1024, 4096] product (a model-sized matmul)."""
+def tract_matmul_peak(folder: str, fmt: str, rows: int) -> float:
+    """FLOP/s of tract on a [1, rows, 1024] x [1024, 4096] product (a model-sized matmul)
+    with ``fmt``'s compute dtype and stored weights (best of many calls)."""
     import torch
     import tract
 
     import gdn_fx
     from gdn_fx import tract_check
 
-    layer = torch.nn.Linear(1024, 4096, bias=False)
-    x = torch.randn(1, 512, 1024)
-    path = gdn_fx.export_nnef(torch.export.export(layer, (x,)), folder / "mm.nnef.tgz")
+    dtype, weights = FORMATS[fmt]
+    layer = torch.nn.Linear(1024, 4096, bias=False).to(getattr(torch, dtype))
+    x = torch.randn(1, rows, 1024, dtype=layer.weight.dtype)
+    path = gdn_fx.export_nnef(torch.export.export(layer, (x,)),
+                              Path(folder) / f"mm_{fmt}_{rows}.nnef.tgz", weights=weights)
     state = tract_check.load(path).spawn_state()
     arg = [tract.Tensor.from_numpy(x.numpy())]
     state.run(arg)
-    best = min(_seconds(lambda: state.run(arg)) for _ in range(5))
-    return 2 * 512 * 1024 * 4096 / best
+    repeat = max(1, 256 // rows)  # calls per timing: a one-row product takes ~1 ms
+    best = min(_seconds(lambda: [state.run(arg) for _ in range(repeat)]) for _ in range(5))
+    return 2 * rows * 1024 * 4096 * repeat / best
+
+
+def peaks(formats, folder: Path) -> dict:
+    """{fmt: (peak at one row, peak at PREFILL rows)}, each in its own one-thread process."""
+    return {fmt: tuple(_child("tract_matmul_peak", str(folder), fmt, rows)["value"]
+                       for rows in (1, PREFILL)) for fmt in formats}
 
 
 def _seconds(fn) -> float:
@@ -156,6 +167,7 @@ def _child(kind: str, *args: str) -> dict:
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
             "import torch; torch.set_num_threads(1); import bench_generate as b; "
             f"r = b.{kind}(*{list(args)!r}); "
+            "r = r if isinstance(r, dict) else {'value': r}; "
             "r['peak_rss'] = b.peak_rss(); "
             "print('RESULT', json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -198,11 +210,10 @@ def main(argv=None) -> None:
         if PEER in measured:  # prefill in the chunks the Generator used above, and whole
             chunk = measured[f"gdn-fx artifact in tract ({args.formats[0]})"][-1]["chunk"]
             measured[PEER].append(_child("peer.run_peer", peer_art["main"], str(chunk or "")))
-    bw, peak = bandwidth(), tract_matmul_peak(folder)
+    bw, peak = bandwidth(), peaks(sorted(set(args.formats) | {"f32"}), folder)
     first = artifacts[args.formats[0]]
-    flops = first["flops_per_token"] * PREFILL
     rows = [_row(name, runs, {"f32": peer_art} if name == PEER else artifacts, first, bw,
-                 peak, flops) for name, runs in measured.items()]
+                 peak) for name, runs in measured.items()]
     chunks = sorted({r["chunk"] for runs in measured.values() for r in runs if "chunk" in r})
     common.emit(common.header(
         "Whole-model generation: gdn-fx artifact in tract vs torch eager",
@@ -213,16 +224,18 @@ def main(argv=None) -> None:
         f"{PAST} cached tokens; prefill = {PREFILL} tokens from an empty cache, in the "
         f"Generator's automatic chunks ({', '.join(map(str, chunks))} tokens) and in one "
         f"call; each engine in its own process, {rounds} round(s); floors per row: the row's "
-        "weight bytes / memory bandwidth (decode), matmul FLOPs / tract's matmul peak "
-        "(prefill)"))
+        "larger of weight bytes / memory bandwidth and matmul FLOPs / tract's matmul peak "
+        "in the row's format (one row for decode, 512 rows for prefill)"))
     common.emit(common.markdown(
         ["path", "decode ms/token", "/ floor", f"prefill ms (S={PREFILL})", "/ floor",
          "prefill in one call", "export", "NNEF (both graphs)", "load", "peak RSS"], rows))
-    common.emit(f"\nFloors measured in this run: memory bandwidth {bw / 1e9:.1f} GB/s (one thread; "
-                f"f32 weights {first['params'] * 4 / 1e9:.2f} GB: decode floor "
-                f"{first['params'] * 4 / bw * 1e3:.0f} ms), tract's matmul "
-                f"{peak / 1e9:.1f} GFLOP/s (prefill floor {flops / peak * 1e3:.0f} ms). "
-                f"{'; '.join(notes)}.\n")
+    flops = first["flops_per_token"]
+    common.emit(f"\nFloors measured in this run: memory bandwidth {bw / 1e9:.1f} GB/s (one "
+                f"thread); tract's matmul peak, 1 / {PREFILL} rows: " + ", ".join(
+                    f"{fmt} {one / 1e9:.1f} / {many / 1e9:.1f} GFLOP/s"
+                    for fmt, (one, many) in peak.items())
+                + f"; matmul FLOPs {2 * first['params'] / 1e9:.2f} G per decode token, "
+                f"{flops * PREFILL / 1e9:.0f} G per prefill. {'; '.join(notes)}.\n")
 
 
 def _peer_export(args, shape: dict, folder: Path, notes: list) -> dict:
@@ -242,15 +255,19 @@ def _peer_export(args, shape: dict, folder: Path, notes: list) -> dict:
     return art
 
 
-def _row(name: str, runs: list, artifacts: dict, first: dict, bw: float, peak: float,
-         flops: float) -> list:
-    """One table row: medians over rounds, ratios to the row's floors."""
+def _row(name: str, runs: list, artifacts: dict, first: dict, bw: float,
+         peak: dict) -> list:
+    """One table row: medians over rounds, ratios to the row's floors (the larger of its
+    weight bytes / bandwidth and its matmul FLOPs / tract's peak in the row's format)."""
     fmt = next((f for f in artifacts if f"({f})" in name and "tract" in name), None)
     art = artifacts.get(fmt, {})
     weights = art["weight_bytes"] if art else first["params"] * 4
+    one, many = peak[fmt if fmt in peak else "f32"]
+    decode_floor = max(weights / bw, 2 * first["params"] / one)
+    prefill_floor = first["flops_per_token"] * PREFILL / many
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    return [name, common.ms(med["decode"]), common.ratio(med["decode"] * bw / weights),
-            common.ms(med["prefill"]), common.ratio(med["prefill"] * peak / flops),
+    return [name, common.ms(med["decode"]), common.ratio(med["decode"] / decode_floor),
+            common.ms(med["prefill"]), common.ratio(med["prefill"] / prefill_floor),
             common.ms(med["prefill_whole"]) if "prefill_whole" in med else "-",
             f"{art['export']:.0f} s" if art else "-",
             common.human_bytes(art["nnef"]) if art else "-",
