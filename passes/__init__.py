@@ -22,9 +22,10 @@ from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.result import CollapseResult, Miss
 from gdn_fx.passes.validate import Validator, compare_programs
 
-# Every rule reads a graph and returns a new one: rule(graph, only) -> (graph, keys, misses)
-# (validate.Rule). The loop rules run first, on the original graph, since unrolled loops are
-# most of it; the conv rule copies what is left.
+# Every rule reads a graph and returns a new one, or the same one when it fuses nothing:
+# rule(graph, only) -> (graph, keys, misses) (validate.Rule); none modifies its input. The
+# loop rules run first, on the original graph, since unrolled loops are most of it; the
+# conv rule copies what is left.
 RULES = (
     ("gated_delta_scan", collapse_recurrences),
     ("gated_delta_scan", collapse_chunked),
@@ -79,6 +80,8 @@ def _collapse(program: Any, inplace: bool, verify: bool, example_inputs) -> Coll
         counts[name] = counts.get(name, 0) + len(keys)
         graph = new
     misses = _still_standing(misses, graph)
+    if graph is gm.graph and not inplace:  # no rule changed it (a rule that fuses nothing
+        graph = copy.deepcopy(graph)  # hands its input back): the input stays untouched
     if inplace:
         gm.graph = graph
     else:

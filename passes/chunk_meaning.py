@@ -30,7 +30,6 @@ says how far off it is and where its output first goes wrong (which chunk, which
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -179,7 +178,7 @@ def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
         except NoMatch as err:
             misses.append(Miss(NAME, f"chunked form by meaning: {err.reason}",
                                node=err.node or anchor.name))
-    new = rebuild(graph, fusions) if fusions else copy.deepcopy(graph)
+    new = rebuild(graph, fusions) if fusions else graph  # unchanged: _collapse copies it
     return new, [f.key for f in fusions], misses
 
 
@@ -621,55 +620,70 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
     """(output error, final-state error, scale, where the output first differs) of the
     region against the delta rule under ``layout`` along the first ``steps`` positions; the
     output scale is fitted unless given. The rule is run for the first and last batch entry
-    and head only (they are independent: at real widths the run along T is the cost)."""
+    and head only (they are independent: at real widths the run along T is the cost), for
+    all points at once (one more batch axis in front)."""
     steps = min(steps, fit.length)
-    worst_o, worst_s, scales, where = 0.0, 0.0, [], ""
-    chunk = _chunk_size(cut)
     batch = fit.state_shape[:-2]
     heads = _heads_checked(layout, batch)
     key_heads = [layout.key_head(h) for h in heads]
     lasts = [key_heads if i in (layout.roles["q"], layout.roles["k"]) else heads
              for i in range(len(fit.groups))]
-    for ins, (value, final) in points:
+    starts, seqs, gots = [], [], []
+    for ins, (value, _) in points:
         by_node = dict(zip(cut.inputs, ins))
         s = by_node[fit.state] if fit.state is not None else \
             torch.zeros(fit.state_shape, dtype=torch.float64)
-        s = _some(s, batch, heads)
-        refs, gots = [], []
-        for t in range(steps):
-            reads = [_some(by_node[n].select(axis, t), batch, last)
-                     for (n, axis), last in zip(fit.groups, lasts)]
-            s, o = reference_step(layout, s, reads)[:2]
-            got = value.select(fit.value_axis, t)
-            if got.numel() % math.prod(batch):
-                return float("inf"), float("inf"), 1.0, ""
-            got = _some(got.reshape(*batch, -1), batch, heads)
-            if got.numel() != o.numel():
-                return float("inf"), float("inf"), 1.0, ""
-            refs.append(o)
-            gots.append(got.reshape(o.shape))
-        ref, got = torch.stack(refs), torch.stack(gots)
+        starts.append(_some(s, batch, heads))
+        # each sequence with its first ``steps`` positions in front, at the heads run
+        seqs.append([_some(by_node[n].movedim(axis, 0)[:steps], batch, last, first=1)
+                     for (n, axis), last in zip(fit.groups, lasts)])
+        got = value.movedim(fit.value_axis, 0)[:steps]
+        if got[0].numel() % math.prod(batch):
+            return float("inf"), float("inf"), 1.0, ""
+        gots.append(_some(got.reshape(steps, *batch, -1), batch, heads, first=1))
+    s = torch.stack(starts)
+    reads = [torch.stack(group, 1) for group in zip(*seqs)]  # [steps, points, ...]
+    refs = []
+    for t in range(steps):
+        s, o = reference_step(layout, s, [read[t] for read in reads])[:2]
+        refs.append(o)
+    refs = torch.stack(refs)
+    if gots[0].numel() != refs[:, 0].numel():
+        return float("inf"), float("inf"), 1.0, ""
+    return _errors(refs, gots, s, points, fit, batch, heads, steps, scale,
+                   _chunk_size(cut) if explain else None)
+
+
+def _errors(refs, gots, finals, points, fit: Fit, batch, heads, steps: int, scale, chunk):
+    """The worst output and final-state errors over the points, the output scale (fitted
+    at the first point unless given), where the output first differs (``chunk``: None, not
+    asked)."""
+    worst_o, worst_s, scales, where = 0.0, 0.0, [], ""
+    for i, (got, (_, (_, final))) in enumerate(zip(gots, points)):
+        ref = refs[:, i]
+        got = got.reshape(ref.shape)
         c = scale if scale is not None else \
             (got * ref).sum().item() / max((ref * ref).sum().item(), 1e-300)
         scales.append(c)
         error = (got - c * ref).abs()
         worst_o = max(worst_o, error.max().item() / max(ref.abs().max().item() * abs(c), 1e-30))
-        if explain and not where and worst_o > TOLERANCE:
+        if chunk is not None and not where and worst_o > TOLERANCE:
             where = _first_wrong(error, ref, c, chunk)
         if steps == fit.length and final is not None:
-            worst_s = max(worst_s, _rel(_some(final.reshape(fit.state_shape), batch, heads), s))
+            worst_s = max(worst_s, _rel(_some(final.reshape(fit.state_shape), batch, heads),
+                                        finals[i]))
     if abs(scales[0] - scales[-1]) > TOLERANCE * max(abs(scales[0]), 1e-30) or scales[0] == 0:
         worst_o = max(worst_o, 1.0)
     return worst_o, worst_s, scales[0], where
 
 
-def _some(x: torch.Tensor, batch, last: list) -> torch.Tensor:
-    """``x`` (leading axes: the state's batch) at the first and last entry of each batch
-    axis but the heads (the last), there at the entries ``last``: a slip that spares some
-    heads still shows, and translation validation then runs every head."""
+def _some(x: torch.Tensor, batch, last: list, first: int = 0) -> torch.Tensor:
+    """``x`` (axes from ``first`` on: the state's batch) at the first and last entry of each
+    batch axis but the heads (the last), there at the entries ``last``: a slip that spares
+    some heads still shows, and translation validation then runs every head."""
     for axis, size in enumerate(batch):
         index = last if axis == len(batch) - 1 else sorted({0, size - 1})
-        x = x.index_select(axis, torch.tensor(index))
+        x = x.index_select(first + axis, torch.tensor(index))
     return x
 
 

@@ -18,11 +18,9 @@ the op's. Translation validation (validate.py) then runs the whole program both 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch import fx
 
 from gdn_fx.passes.layouts import Plan, plan_operands
@@ -66,7 +64,7 @@ def collapse_recurrences(graph: fx.Graph, only: Optional[set] = None
             fusions.append(plan_scan(rec.region, rec.plan.operands, order, mode))
         except NoMatch as err:
             misses.append(Miss(NAME, err.reason, node=err.node, of=rec.length))
-    new = rebuild(graph, fusions) if fusions else copy.deepcopy(graph)
+    new = rebuild(graph, fusions) if fusions else graph  # unchanged: _collapse copies it
     return new, [f.key for f in fusions], misses
 
 
@@ -258,13 +256,9 @@ def _check_steps(loop: Loop):
     step that is not node for node the same as the step after it (step 0 among them, its
     state comes from outside); the others share the verdict of the step after them."""
     steps, layout = loop.steps, None
-    after = None  # the signature of step t + 1
     for t in range(len(steps) - 2, -1, -1):
         step = steps[t]
-        here = _signature(step) if t > 0 else None
-        same = here is not None and after is not None and here == after
-        after = here
-        if same:
+        if t > 0 and t + 1 < len(steps) - 1 and _same_step(step, steps[t + 1]):
             continue
         outcome = decide(step, step.state_out, loop.groups, layout)
         if outcome.layout is None:
@@ -283,39 +277,48 @@ def _same_layout(step: Step, got, want) -> None:
                       f"than the steps after it ({want.describe()})", node=step.out, step=step.t)
 
 
-def _signature(step: Step) -> tuple:
-    """What ``step`` computes, node for node, with its own nodes named by role: its state,
-    its reads (by group and order), its body (by position); invariants and literals as they
-    are. Two steps with equal signatures compute the same function of their own state and
-    reads (each signature is built once: a loop compares every step with the next)."""
-    names = {step.state_in: ("state",)}
-    for group, nodes in step.reads.items():
-        names.update((node, ("read", group, i)) for i, node in enumerate(nodes))
-    body = []
-    for i, node in enumerate(step.body):
-        body.append((node.target, _canonical(node.args, names),
-                     _canonical(tuple(node.kwargs.items()), names)))
-        names[node] = ("body", i)
-    ends = (names.get(step.out), None if step.state_out is None else names.get(step.state_out))
-    reads = sorted(((g[0].name, g[1], len(n)) for g, n in step.reads.items()))
-    return tuple(body), ends, tuple(reads)
+def _same_step(a: Step, b: Step) -> bool:
+    """Whether ``b`` computes what ``a`` does, node for node, from the inputs in the same
+    roles (its own state and reads) and the same invariants and literals."""
+    if len(a.body) != len(b.body) or set(a.reads) != set(b.reads):
+        return False
+    m = {a.state_in: b.state_in}
+    for group, nodes in a.reads.items():
+        others = b.reads[group]
+        if len(others) != len(nodes):
+            return False
+        m.update(zip(nodes, others))
+    for x, y in zip(a.body, b.body):
+        if x.target != y.target or not (_same_args(x.args, y.args, m)
+                                         and _same_args(tuple(x.kwargs.items()),
+                                                        tuple(y.kwargs.items()), m)):
+            return False
+        m[x] = y
+    return m.get(a.out) is b.out and (a.state_out is None or m.get(a.state_out) is b.state_out)
 
 
-SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format)
+def _same_args(xs, ys, m: dict) -> bool:
+    """Arguments equal once ``m`` maps the first step's nodes to the second's: nodes by
+    identity (fx.Node has no __eq__), literals by value."""
+    if len(xs) != len(ys):
+        return False
+    for x, y in zip(xs, ys):
+        if isinstance(x, fx.Node):
+            if m.get(x, x) is not y:
+                return False
+        elif isinstance(x, (list, tuple)):
+            if not isinstance(y, (list, tuple)) or not _same_args(x, y, m):
+                return False
+        elif isinstance(y, fx.Node) or not _same_literal(x, y):
+            return False
+    return True
 
 
-def _canonical(value, names: dict):
-    """``value`` with the step's nodes replaced by their role; other nodes (invariants) by
-    identity; literals by value, but a literal that is not a plain value (a tensor) by
-    identity: equal only to itself."""
-    if isinstance(value, fx.Node):
-        return names.get(value, ("node", value))
-    if isinstance(value, (list, tuple)):
-        return (type(value) is list,) + tuple(_canonical(v, names) for v in value)
-    if isinstance(value, SIMPLE):
-        return ("literal", type(value).__name__, value)
-    return ("object", id(value))
+def _same_literal(x, y) -> bool:
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 (a tensor literal: not comparable, so not the same)
+        return False
 
 
 def _region_nodes(loop: Loop) -> set:

@@ -101,6 +101,17 @@ def test_an_ordinary_graph_has_no_misses():
     assert result.counts["gated_delta_scan"] == 0 and result.misses == []
 
 
+def test_nothing_fused_still_leaves_the_input_alone():
+    """Rules that fuse nothing hand their input graph back; collapse then copies it, so the
+    result never shares (and its clean-up never edits) the caller's graph."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU(), torch.nn.Linear(4, 2))
+    program = export_form(model, (torch.randn(3, 4),), "training")
+    before = str(program.graph_module.graph)
+    result = gdn_fx.collapse(program)
+    assert result.program.graph_module.graph is not program.graph_module.graph
+    assert str(program.graph_module.graph) == before
+
+
 class Rule(torch.nn.Module):
     def __init__(self, l2norm, given_state):
         super().__init__()
