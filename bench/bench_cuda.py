@@ -25,8 +25,8 @@ kernel might take (CUDA against CPU: a ratio near 1 means tract ran it on the CP
 from __future__ import annotations
 
 import json
-import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -56,7 +56,7 @@ PROBES = (("f16, f32 state", 16, 128, 1, "f16", "f32"),
           ("f16, batch 2", 16, 128, 2, "f16", "f32"))
 PROBE_SEQ = 64
 # "chunked_parallel" variants (largest chunk, state pass), exported for these S
-VARIANTS = ((64, "prefix"), (128, "prefix"), (128, "sequential"))  # 256: rank 9 > NNEF 8
+VARIANTS = ((64, "prefix"), (128, "prefix"), (256, "prefix"))
 VARIANT_LENGTHS = (512, 4096)
 # Lengths between the measured ones where the native kernel and "chunked_parallel" cross
 CROSSING = (128, 256)
@@ -79,9 +79,20 @@ def inputs(seq: int, heads: int = common.HEADS, width: int = common.WIDTH, batch
     return q.to(low), k.to(low), v.to(low), g, beta.to(low), s0.to(DTYPES[state])
 
 
+_ORACLES: dict[tuple, tuple] = {}
+
+
 def oracle(args: Sequence[torch.Tensor]) -> tuple:
     """float64 recurrence on the inputs as given (f16 values widened exactly), on the GPU when
-    torch has one (the 4096-step loop is slow on the CPU), results back on the CPU."""
+    torch has one (the 4096-step loop is slow on the CPU), results back on the CPU; kept for
+    the next path with the same inputs."""
+    key = tuple((tuple(a.shape), str(a.dtype), float(a.double().sum())) for a in args)
+    if key not in _ORACLES:
+        _ORACLES[key] = _oracle(args)
+    return _ORACLES[key]
+
+
+def _oracle(args: Sequence[torch.Tensor]) -> tuple:
     from gdn_fx.reference import l2norm, recurrent_delta_rule_reference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -236,10 +247,12 @@ def load(path: str, runtime: str):
     return tract_check.load(path, runtime)
 
 
-def timed_call(runnable, arrays: list[np.ndarray]) -> tuple[Callable[[], object], float]:
-    """(a call as an application makes it: one State kept, inputs already tract tensors,
-    outputs read back to numpy; the largest difference between that State's answer and a
-    fresh run's, which must be 0 for the timing to be of the verified path)."""
+def timed_calls(runnable, arrays: list[np.ndarray]) -> tuple[Callable, Callable, float]:
+    """(State.run alone: one State kept, inputs already tract tensors on the host, so every
+    call uploads them and waits for the outputs on the host, the same for every path; the
+    same call with both outputs read back to numpy; the largest difference between that
+    State's answer and a fresh run's, which must be 0 for the timing to be of the verified
+    path)."""
     import tract
 
     tensors = [tract.Tensor.from_numpy(a) for a in arrays]
@@ -247,18 +260,8 @@ def timed_call(runnable, arrays: list[np.ndarray]) -> tuple[Callable[[], object]
     fresh = [t.to_numpy() for t in runnable.run(arrays)]
     kept = [t.to_numpy() for t in state.run(tensors)]
     drift = max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in zip(kept, fresh))
-    return (lambda: [t.to_numpy() for t in state.run(tensors)]), drift
-
-
-def run_only_seconds(runnable, arrays: list[np.ndarray], calls: int = 5) -> float:
-    """Median seconds of State.run alone (outputs left as tract tensors): with the full call,
-    how much of it is reading the outputs back."""
-    import tract
-
-    tensors = [tract.Tensor.from_numpy(a) for a in arrays]
-    state = runnable.spawn_state()
-    state.run(tensors)
-    return statistics.median(common.once(lambda: state.run(tensors))[0] for _ in range(calls))
+    return ((lambda: state.run(tensors)),
+            (lambda: [t.to_numpy() for t in state.run(tensors)]), drift)
 
 
 def profile_split(runnable, arrays: list[np.ndarray]) -> tuple[dict, str]:
@@ -295,9 +298,8 @@ def measure(entry: dict, runtime: str, profiles: dict) -> dict:
         arrays = common.numpy_inputs(args)
         seconds, runnable = common.once(lambda: load(entry["path"], runtime))
         result["load_s"] = seconds
-        result["call"], result["drift"] = timed_call(runnable, arrays)
+        result["run"], result["call"], result["drift"] = timed_calls(runnable, arrays)
         result["error"] = common.rel_error(runnable, arrays, oracle(args))
-        result["run_only"] = run_only_seconds(runnable, arrays)
     except Exception as exc:  # noqa: BLE001  (the table shows why this path is missing)
         result["failed"] = f"{type(exc).__name__}: {why(exc)}"
         return result
@@ -321,29 +323,76 @@ def label(entry: dict) -> str:
     return entry["name"] + (" (all f32)" if entry.get("operands") == "f32" else "")
 
 
+RUN = " (run alone)"
+
+
 def bench_table(seq: int, results: list[dict], rounds: int) -> str:
-    """Time the paths of one S round-robin; one markdown table with ratios to native."""
+    """Time the paths of one S round-robin (State.run alone and the call with the outputs
+    read back, all in one rotation); one markdown table with ratios to native."""
     ok = [r for r in results if "call" in r]
-    samples = common.interleave({label(r): r["call"] for r in ok}, rounds, min_time=0.2)
+    calls = {label(r): r["call"] for r in ok}
+    calls.update({label(r) + RUN: r["run"] for r in ok})
+    samples = common.interleave(calls, rounds, min_time=0.2)
     native = "native" if "native" in samples.rounds else None
     rows = []
     for r in results:
         if "call" not in r:
-            rows.append([label(r)] + [None] * 9 + [r["failed"]])
+            rows.append([label(r)] + [None] * 10 + [r["failed"]])
             continue
         name, split = label(r), r.get("split", {})
-        rows.append([name, common.ms(samples.median(name)), common.ms(r["run_only"]),
+        rows.append([name, common.ms(samples.median(name + RUN)), common.ms(samples.median(name)),
+                     common.ratio(samples.ratio(name + RUN, native + RUN)) if native else None,
                      common.ratio(samples.ratio(name, native)) if native else None,
                      common.error_cell(r["error"], TOLERANCE),
                      common.ms(split.get("cuda")), common.ms(split.get("transfer")),
                      common.ms(split.get("cpu")), f"{r['load_s']:.2g}", f"{r['drift']:.1g}",
                      r.get("host_ops") or ""])
     chosen = next((r["table"] for r in results if r["table"] != "-"), "-")
-    columns = ["path", "median ms", "run alone ms", "vs native", "rel. error",
+    columns = ["path", "run alone ms", "with read-back ms", "vs native (run alone)",
+               "vs native (with read-back)", "rel. error",
                "GPU ops ms", "transfers+waits ms", "CPU ops ms", "load s", "State drift",
                "slowest CPU ops (profiler)"]
     return f"**S = {seq}** (the table's choice for CUDA: {chosen})\n\n" + \
         common.markdown(columns, rows) + "\n"
+
+
+KERNEL_CALLS = 3
+
+
+def kernel_profile(entry: dict) -> str:
+    """What the GPU itself does in one State.run: tract's kernels and copies as CUDA's
+    profiling interface (CUPTI, through torch.profiler, which records every context of the
+    process) sees them, per call (KERNEL_CALLS calls averaged): the kernel count, kernel
+    time, host-to-device and device-to-host copy time, and the kernels that take longest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = entry["run"]
+    run()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(KERNEL_CALLS):
+            run()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    kernels: dict[str, list[float]] = {}
+    copies = {"HtoD": 0.0, "DtoH": 0.0, "other": 0.0}
+    for event in events:
+        cat, name, dur = event.get("cat", ""), event.get("name", ""), event.get("dur", 0.0)
+        if cat == "kernel":
+            kernels.setdefault(name.split("(")[0][:60], []).append(dur)
+        elif cat in ("gpu_memcpy", "gpu_memset"):
+            side = "HtoD" if "HtoD" in name else "DtoH" if "DtoH" in name else "other"
+            copies[side] += dur
+    count = sum(len(d) for d in kernels.values()) / KERNEL_CALLS
+    busy = sum(sum(d) for d in kernels.values()) / KERNEL_CALLS / 1e3
+    top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:5]
+    tops = ", ".join(f"{k} x{len(d) // KERNEL_CALLS} {sum(d) / KERNEL_CALLS / 1e3:.3g} ms"
+                     for k, d in top)
+    return (f"- {label(entry)}, S = {entry['seq']}: {count:.0f} kernels, {busy:.3g} ms of "
+            f"kernel time, copies in {copies['HtoD'] / KERNEL_CALLS / 1e3:.3g} ms, out "
+            f"{copies['DtoH'] / KERNEL_CALLS / 1e3:.3g} ms, other "
+            f"{copies['other'] / KERNEL_CALLS / 1e3:.3g} ms per call; longest: {tops}")
 
 
 def probe_table(results: list[dict], cpu_results: list[dict], rounds: int) -> str:
@@ -365,7 +414,7 @@ def probe_table(results: list[dict], cpu_results: list[dict], rounds: int) -> st
 
 
 def run(folder: Path, runtime: str, lengths: Sequence[int], rounds: int,
-        profiles_out: Optional[Path]) -> None:
+        profiles_out: Optional[Path], kernels: bool = False) -> None:
     manifest = json.loads((folder / "manifest.json").read_text())
     for entry in manifest:
         entry["path"] = str(folder / Path(entry["path"]).name)  # written on another machine
@@ -382,6 +431,14 @@ def run(folder: Path, runtime: str, lengths: Sequence[int], rounds: int,
         for r in results:
             if "failed" in r:
                 common.emit(f"- {label(r)}: {r['failed']}")
+        if kernels and runtime == "cuda":
+            common.emit(f"GPU work per call (S = {seq}):\n")
+            for r in (r for r in results if "run" in r):
+                try:
+                    common.emit(kernel_profile(r))
+                except Exception as exc:  # noqa: BLE001  (the timings above still stand)
+                    common.emit(f"- {label(r)}: kernel profile failed: {why(exc)}")
+            common.emit("")
     for entry in (e for e in manifest if e["kind"] == "tiny"):
         common.emit(tiny_model_check(entry, folder, runtime) + "\n")
     probes = [e for e in manifest if e["kind"] == "probe"]
@@ -408,6 +465,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true",
                     help="with --prepare: also a whole tiny Qwen3.5 step (f16) for the check")
     ap.add_argument("--profiles", type=Path, help="with --run: write tract's profiles here")
+    ap.add_argument("--kernels", action="store_true",
+                    help="with --run on CUDA: also each path's GPU kernels and copies per call "
+                    "(CUPTI through torch.profiler)")
     args = ap.parse_args()
     common.silence_warnings()
     import gdn_fx  # noqa: F401  (registers torch.ops.gdn_fx)
@@ -418,7 +478,7 @@ def main() -> None:
         prepare(args.prepare, args.lengths, args.probe, args.tiny, args.paths)
     if args.run is not None:
         run(args.run, args.runtime, args.lengths, common.rounds_for(args, full=7),
-            args.profiles)
+            args.profiles, args.kernels)
 
 
 if __name__ == "__main__":

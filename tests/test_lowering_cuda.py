@@ -5,7 +5,7 @@ exports run by the CPU tract: no GPU needed (tests/test_cuda_runtime.py runs on 
 Expected candidates are written by hand from the measurements on an H200
 (bench/bench_cuda.py, bench/RESULTS.md): the native operator's CUDA kernel takes f16
 q/k/v/beta with an f32 state, width 128, batch 1 (other dtypes and batches run on the CPU;
-f16 of another width fails at run time); "chunked_parallel" beats it from static S = 256;
+f16 of another width fails at run time); "chunked_parallel" is chosen from static S = 256;
 every tract_core_scan runs on the CPU. The oracle of numerics is the float64 recurrence.
 """
 
@@ -139,6 +139,28 @@ def test_chunked_parallel_matches_float64(tmp_path, s, groups, dtype):
     assert tract_check.read_decisions(path) == {"gated_delta_scan": "chunked_parallel"}
     assert tract_check.read_runtime(path) == "cuda" and not tract_check.read_cpu_fallbacks(path)
     check_run(path, module, args, 1e-4 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("s", [300, 2100])
+def test_chunked_parallel_stays_batched(tmp_path, s):
+    """tract splits an op read only through slices into one op per piece: the batched chunk
+    terms and block inverse must reach the runnable as batched ops, or the GPU launches one
+    kernel per block and chunk (the text before measured 497 kernels at S = 4096)."""
+    import json
+
+    import numpy as np
+
+    module = Fused(16 ** -0.5)
+    args = scan_inputs(s=s, hk=2, dk=16, dv=16)
+    path = export_nnef(torch.export.export(module, args), tmp_path / "cp.nnef", runtime="cuda",
+                       input_names=SCAN_NAMES)
+    runnable = tract_check.load(path, "cpu")
+    arrays = [a.detach().numpy() for a in args]
+    nodes = json.loads(runnable.profile_json(arrays))["nodes"]
+    split = [n["node_name"] for n in nodes if ".split-" in n.get("node_name", "")]
+    # the one expected: the output trimmed back from whole chunks to S ("o4", the last op)
+    assert len(split) <= 1 and all("_o4." in name for name in split), split[:5]
+    assert np.isfinite(runnable.run(arrays)[0].to_numpy()).all()
 
 
 def test_export_records_cpu_fallback_and_runtime(tmp_path):
