@@ -578,7 +578,8 @@ def _draw(dims, gen: torch.Generator) -> torch.Tensor:
     solve well conditioned (as an l2norm does), both signs show a missing exp or abs."""
     dims = list(dims)
     scale = 0.5 / max(dims[-1], 1) ** 0.5 if dims else 0.5
-    return (torch.rand(dims, generator=gen, dtype=torch.float64) * 2 - 1) * scale
+    # in place: a sequence input at a real width is ~10^7 numbers
+    return torch.rand(dims, generator=gen, dtype=torch.float64).mul_(2 * scale).sub_(scale)
 
 
 def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
@@ -597,9 +598,10 @@ def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
         except Exception as error:  # noqa: BLE001 (a region that does not run on its own)
             return Verdict(cut, fit, where=f"the region does not run on its own: {error}")
         points.append((ins, got))
-    prefix = []
+    prefix, prepared = [], {}
     for i, layout in enumerate(fit.layouts):
-        error, _, scale, _ = _score(layout, fit, cut, points, PREFIX, explain=False)
+        error, _, scale, _ = _score(layout, fit, cut, points, PREFIX, explain=False,
+                                    prepared=prepared)
         prefix.append((error, i, layout, scale))
     prefix.sort(key=lambda item: item[:2])
     survivors = [(lay, c) for error, _, lay, c in prefix if error <= TOLERANCE]
@@ -607,7 +609,7 @@ def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
     # the others along the whole sequence, at the scale the first positions gave
     for layout, c in survivors or [prefix[0][2:]]:
         out_error, state_error, scale, where = _score(layout, fit, cut, points, fit.length,
-                                                      scale=c)
+                                                      scale=c, prepared=prepared)
         if out_error <= TOLERANCE and state_error <= TOLERANCE:
             return Verdict(cut, fit, layout.with_scale(scale), out_error, state_error)
         if out_error + state_error < best.out_error + best.state_error:
@@ -616,33 +618,26 @@ def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
 
 
 def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool = True,
-           scale: Optional[float] = None):
+           scale: Optional[float] = None, prepared: Optional[dict] = None):
     """(output error, final-state error, scale, where the output first differs) of the
     region against the delta rule under ``layout`` along the first ``steps`` positions; the
     output scale is fitted unless given. The rule is run for the first and last batch entry
     and head only (they are independent: at real widths the run along T is the cost), for
-    all points at once (one more batch axis in front)."""
+    all points at once (one more batch axis in front). ``prepared``: the points sliced so,
+    by the heads they are sliced at, shared by the layouts of one region."""
     steps = min(steps, fit.length)
     batch = fit.state_shape[:-2]
     heads = _heads_checked(layout, batch)
     key_heads = [layout.key_head(h) for h in heads]
-    lasts = [key_heads if i in (layout.roles["q"], layout.roles["k"]) else heads
-             for i in range(len(fit.groups))]
-    starts, seqs, gots = [], [], []
-    for ins, (value, _) in points:
-        by_node = dict(zip(cut.inputs, ins))
-        s = by_node[fit.state] if fit.state is not None else \
-            torch.zeros(fit.state_shape, dtype=torch.float64)
-        starts.append(_some(s, batch, heads))
-        # each sequence with its first ``steps`` positions in front, at the heads run
-        seqs.append([_some(by_node[n].movedim(axis, 0)[:steps], batch, last, first=1)
-                     for (n, axis), last in zip(fit.groups, lasts)])
-        got = value.movedim(fit.value_axis, 0)[:steps]
-        if got[0].numel() % math.prod(batch):
-            return float("inf"), float("inf"), 1.0, ""
-        gots.append(_some(got.reshape(steps, *batch, -1), batch, heads, first=1))
-    s = torch.stack(starts)
-    reads = [torch.stack(group, 1) for group in zip(*seqs)]  # [steps, points, ...]
+    lasts = tuple(key_heads if i in (layout.roles["q"], layout.roles["k"]) else heads
+                  for i in range(len(fit.groups)))
+    prepared = {} if prepared is None else prepared
+    key = (steps, tuple(heads), tuple(map(tuple, lasts)))
+    if key not in prepared:
+        prepared[key] = _at_heads(fit, cut, points, steps, heads, lasts)
+    if prepared[key] is None:
+        return float("inf"), float("inf"), 1.0, ""
+    s, reads, gots = prepared[key]
     refs = []
     for t in range(steps):
         s, o = reference_step(layout, s, [read[t] for read in reads])[:2]
@@ -652,6 +647,28 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
         return float("inf"), float("inf"), 1.0, ""
     return _errors(refs, gots, s, points, fit, batch, heads, steps, scale,
                    _chunk_size(cut) if explain else None)
+
+
+def _at_heads(fit: Fit, cut: Cut, points, steps: int, heads: list, lasts: tuple):
+    """(initial states, reads, outputs) of the points at the heads run and their first
+    ``steps`` positions, the points stacked on a new axis in front of states and reads;
+    None when an output position does not hold one row per state."""
+    batch = fit.state_shape[:-2]
+    starts, seqs, gots = [], [], []
+    for ins, (value, _) in points:
+        by_node = dict(zip(cut.inputs, ins))
+        s = by_node[fit.state] if fit.state is not None else \
+            torch.zeros(fit.state_shape, dtype=torch.float64)
+        starts.append(_some(s, batch, heads))
+        # each sequence with its first ``steps`` positions in front
+        seqs.append([_some(by_node[n].movedim(axis, 0)[:steps], batch, last, first=1)
+                     for (n, axis), last in zip(fit.groups, lasts)])
+        got = value.movedim(fit.value_axis, 0)[:steps]
+        if got[0].numel() % math.prod(batch):
+            return None
+        gots.append(_some(got.reshape(steps, *batch, -1), batch, heads, first=1))
+    reads = [torch.stack(group, 1) for group in zip(*seqs)]  # [steps, points, ...]
+    return torch.stack(starts), reads, gots
 
 
 def _errors(refs, gots, finals, points, fit: Fit, batch, heads, steps: int, scale, chunk):
