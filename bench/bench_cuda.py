@@ -421,9 +421,10 @@ def run(folder: Path, runtime: str, lengths: Sequence[int], rounds: int,
     profiles: dict[str, str] = {}
     common.emit(common.header(f"GDN layer core on tract's {runtime} runtime (B=1, 16 heads, "
                               "Dk=Dv=128, f16 q/k/v/beta, f32 gate and state)",
-                              f"{rounds} interleaved rounds per S; a call is State.run on "
-                              "tract tensors plus to_numpy of both outputs; error = max "
-                              "relative error vs the float64 recurrence"))
+                              f"{rounds} interleaved rounds per S; State.run on tract "
+                              "tensors held on the host, alone and with to_numpy of both "
+                              "outputs; error = max relative error vs the float64 "
+                              "recurrence"))
     for seq in sorted({e["seq"] for e in manifest if e["kind"] == "bench"} & set(lengths)):
         results = [measure(e, runtime, profiles) for e in manifest
                    if e["kind"] == "bench" and e["seq"] == seq]
