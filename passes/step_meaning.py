@@ -194,12 +194,13 @@ def _screened_search(candidates: list, points, with_state: bool) -> Optional[Out
 def _entries(point, batch):
     """A point (s0, reads, (S', o)) at the first and last entry of each batch axis. A read
     and S' lead with the state's batch axes; o is laid out as [*batch, Dv] (``_score``
-    reshapes it so)."""
+    reshapes it so). q and k on fewer heads (GQA) are taken at their own first and last
+    head: value heads 0 and H - 1 read those, grouped or tiled."""
     s0, ins, (s_got, o_got) = point
 
     def some(x):
-        for axis, size in enumerate(batch):
-            x = x.index_select(axis, torch.tensor(sorted({0, size - 1})))
+        for axis in range(len(batch)):
+            x = x.index_select(axis, torch.tensor(sorted({0, x.shape[axis] - 1})))
         return x
 
     o_flat = o_got.reshape(*batch, -1) if o_got.numel() % math.prod(batch) == 0 else None

@@ -661,6 +661,33 @@ class ScaleOnOutput(nn.Module):
         return torch.stack(outs, dim=1), S
 
 
+class GQAInStep(nn.Module):
+    """Grouped value heads repeated inside the loop: each step reads q_t, k_t of Hk heads and
+    repeats them to the value heads itself (``repeat_interleave``: value head h reads key head
+    h // G; ``tiled``: ``repeat``, h % Hk). ``k_tiled``: the mutants' one edit, k tiled
+    while q is interleaved."""
+
+    def __init__(self, tiled=False, k_tiled=False):
+        super().__init__()
+        self.tiled, self.k_tiled = tiled, k_tiled
+
+    def forward(self, q, k, v, g, beta, s0):
+        groups = v.shape[2] // q.shape[2]
+        S, outs = s0, []
+        for t in range(q.shape[1]):
+            if self.tiled:
+                q_t, k_t = q[:, t].repeat(1, groups, 1), k[:, t].repeat(1, groups, 1)
+            else:
+                q_t, k_t = (x[:, t].repeat_interleave(groups, dim=1) for x in (q, k))
+            if self.k_tiled:
+                k_t = k[:, t].repeat(1, groups, 1)
+            S = S * g[:, t].exp()[..., None, None]
+            delta = (v[:, t] - (S * k_t[..., None]).sum(-2)) * beta[:, t][..., None]
+            S = S + k_t[..., None] * delta[..., None, :]
+            outs.append((S * q_t[..., None]).sum(-2))
+        return torch.stack(outs, 1), S
+
+
 class TwoLayers(nn.Module):
     """Two stacked recurrences (the second layer's values are the first's outputs): two loops."""
 
@@ -805,6 +832,15 @@ def _params_reference(args, scan):
     return scan(q, k, v, g, beta, s0, scale=1.0, norm=None)
 
 
+def _tiled_reference(args, scan):
+    """GQAInStep(tiled=True): q and k tiled to the value heads here (h % Hk), then the
+    recurrence with Hk = H."""
+    q, k, v, g, beta, s0 = args
+    groups = v.shape[2] // q.shape[2]
+    q, k = (torch.cat([x] * groups, dim=2) for x in (q, k))
+    return scan(q, k, v, g, beta, s0, scale=1.0, norm=None)
+
+
 def _two_layers_reference(args, scan):
     q, k, v, g, beta, s0 = args
     o1, s1 = scan(q, k, v, g, beta, s0, scale=1.0, norm=None)
@@ -912,6 +948,10 @@ SPELLINGS = [
     Spelling("normalize_before_loop_gqa", "gdn", 1, NormalizeBeforeLoop,
              _std(b=2, t=3, h=6, hk=3, dk=4, dv=5, seed=30),
              standard_reference(scale="rsqrt", norm="normalize")),
+    Spelling("gqa_in_step", "gdn", 1, GQAInStep, _std(b=1, t=4, h=4, hk=2, dk=6, dv=4, seed=44),
+             standard_reference()),
+    Spelling("gqa_in_step_tiled", "gdn", 1, lambda: GQAInStep(tiled=True),
+             _std(b=1, t=4, h=4, hk=2, dk=6, dv=4, seed=45), _tiled_reference),
     Spelling("scale_on_output", "gdn", 1, ScaleOnOutput, _std(seed=31),
              standard_reference(scale=0.3)),
     Spelling("two_layers", "gdn", 2, TwoLayers, _std(b=1, t=4, h=2, dk=4, dv=4, seed=32),
@@ -1157,6 +1197,9 @@ class MatmulReadoutBeforeUpdate(MatmulAt):
 
 
 MUTANTS = [
+    Mutant("gqa_in_step_k_tiled", "gqa_in_step", lambda: GQAInStep(k_tiled=True),
+           "k repeated to the value heads tiled while q is interleaved: value head h pairs q "
+           "of key head h // G with k of key head h % Hk"),
     Mutant("readout_before_update", "plain_loop", ReadoutBeforeUpdate,
            "the output reads the state before the rank-one update"),
     Mutant("decay_after_update", "plain_loop", DecayAfterUpdate,
