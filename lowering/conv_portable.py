@@ -11,9 +11,12 @@ With full = cat(state, x) of length K + S, output step t reads full[1 + t : 1 + 
 then the bias and SiLU when the node has them; ``new_state = full[..., -K:]``. At S = 1 the
 multiply-adds are faster, for longer S tract's conv kernel is (bench/bench_conv.py). Slice
 ends are written from ``tract_core_shape_of(full)``: negative ends break on a symbolic S in
-tract 0.23.9, so every bound is ``n - c`` with n the runtime length. Arithmetic runs in the
-weight's dtype, as the op's kernel does; the output takes x's dtype and the new state the
-state's dtype.
+tract 0.23.9, so every bound is ``n - c`` with n the runtime length. As the op does, full
+is formed in the weight's dtype and the new state sliced from it (then in the state's dtype);
+the arithmetic runs on full cast to f32 (f64 for f64 weights), the output in x's dtype. In
+f16, K multiply-adds each rounded to f16 strayed twice as far from f32 as the op's F.conv1d
+(seen on the recurrent states of a tiny f16 Qwen3.5 step, 1.5e-3 against 8.5e-4), and
+tract's f16 element-wise ops are slower than one cast of full (docs/FACTS.md).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Optional
 
 from gdn_fx.lowering.facts import ConvFacts, portable_dtype_reason
 from gdn_fx.lowering.fragment_files import generated
-from gdn_fx.lowering.nnef_emit import EmitContext
+from gdn_fx.lowering.nnef_emit import EmitContext, promote
 from gdn_fx.lowering.target import Target
 
 
@@ -50,9 +53,7 @@ def fragment_name(kernel: int, bias: bool, silu: bool, depthwise: bool = False) 
 
 
 def _tap(kernel: int, j: int) -> str:
-    """Tap j of the window: full[..., 1 + j : n - (K - 1 - j)], i.e. x for the last one."""
-    if j == kernel - 1:
-        return "x"
+    """Tap j of the window: full[..., 1 + j : n - (K - 1 - j)] (x for the last one)."""
     return f"slice(full, axes = [2], begin = [{1 + j}], end = [n - {kernel - 1 - j}])"
 
 
@@ -77,9 +78,8 @@ def _depthwise_lines(kernel: int) -> list[str]:
 
 def fragment_text(kernel: int, bias: bool, silu: bool, depthwise: bool = False) -> str:
     """The NNEF text of the fragment for one (K, bias, activation, form)."""
-    params = ["x", "state", "weight"] + (["bias"] if bias else [])
-    body = ["full = concat([state, x], axis = 2);",
-            "n = squeeze(slice(tract_core_shape_of(full), axes = [0], begin = [2], end = [3]),"
+    params = ["kept", "full", "weight"] + (["bias"] if bias else [])
+    body = ["n = squeeze(slice(tract_core_shape_of(full), axes = [0], begin = [2], end = [3]),"
             " axes = [0]);"]
     body += _depthwise_lines(kernel) if depthwise else _taps_lines(kernel)
     pre = "acc"
@@ -87,7 +87,7 @@ def fragment_text(kernel: int, bias: bool, silu: bool, depthwise: bool = False) 
         body.append(f"biased = add({pre}, unsqueeze(bias, axes = [0, 2]));")
         pre = "biased"
     body.append(f"out = mul({pre}, sigmoid({pre}));" if silu else f"out = copy({pre});")
-    body.append(f"new_state = slice(full, axes = [2], begin = [n - {kernel}], end = [n]);")
+    body.append(f"new_state = slice(kept, axes = [2], begin = [n - {kernel}], end = [n]);")
     signature = ", ".join(f"{p}: tensor<scalar>" for p in params)
     lines = "\n".join(f"    {line}" for line in body)
     return (f"fragment {fragment_name(kernel, bias, silu, depthwise)}( {signature} )\n"
@@ -105,13 +105,20 @@ def emit_depthwise(ctx: EmitContext) -> list:
 
 
 def _emit(ctx: EmitContext, depthwise: bool) -> list:
-    """The fragment call for one node, with the casts its dtypes need."""
+    """The fragment call for one node: full = cat(state, x) kept in the weight's dtype (the
+    new state's source) and cast to the arithmetic's dtype."""
     facts = ctx.facts
-    work = facts.dtypes["weight"]
-    names = ["x", "conv_state", "weight"] + (["bias"] if facts.has_bias else [])
-    inputs = [ctx.cast(ctx.operands[name], work, name) for name in names]
+    kept_dtype = facts.dtypes["weight"]
+    work = promote("f32", kept_dtype)
+    x, state = (ctx.cast(ctx.operands[name], kept_dtype, name) for name in ("x", "conv_state"))
+    seq, width = facts.shapes["x"][2], facts.shapes["conv_state"][2]
+    kept = ctx.concat([state, x], 2, "full", (*facts.shapes["x"][:2],
+                      None if seq is None else seq + width), kept_dtype)
+    params = ["weight"] + (["bias"] if facts.has_bias else [])
+    inputs = [kept, ctx.cast(kept, work, "full")] + [
+        ctx.cast(ctx.operands[name], work, name) for name in params]
     out = ctx.tensor("out", facts.shapes["x"], work)
-    new_state = ctx.tensor("new_state", facts.shapes["conv_state"], work)
+    new_state = ctx.tensor("new_state", facts.shapes["conv_state"], kept_dtype)
     silu = facts.activation == "silu"
     name = fragment_name(facts.kernel, facts.has_bias, silu, depthwise)
     ctx.apply_multi(name, inputs, (out, new_state))

@@ -61,6 +61,15 @@ class EmitContext:
                    outputs=(out,))
         return out
 
+    def concat(self, tensors: Sequence[NTensor], axis: int, suffix: str, shape: Sequence,
+               dtype: str) -> NTensor:
+        """``concat([tensors], axis)``: NNEF takes them as one list argument, which the writer
+        prints for a list of inputs (a tuple prints as separate arguments)."""
+        out = self.tensor(suffix, shape, dtype)
+        NOperation(self.graph, type="concat", attribs={"axis": axis}, inputs=list(tensors),
+                   outputs=(out,))
+        return out
+
     def apply_multi(self, op_type: str, inputs, outputs: Sequence[NTensor],
                     attribs: Optional[dict] = None) -> None:
         """Add an operation with several outputs, written into ``outputs``."""
