@@ -16,7 +16,7 @@ from torch import fx
 
 from gdn_fx.passes.chunk_meaning import collapse_chunks_by_meaning, find_chunk_forms
 from gdn_fx.passes.conv_update import collapse_conv_updates, find_conv_updates
-from gdn_fx.passes.gdn_chunk import collapse_chunked, find_chunked
+from gdn_fx.passes.gdn_chunk import chunked_anchors, chunked_form, collapse_chunked
 from gdn_fx.passes.gdn_recurrent import collapse_recurrences, find_unrolled as _unrolled_steps
 from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.result import CollapseResult, Miss
@@ -107,10 +107,10 @@ def find_unrolled(program: Any) -> list[str]:
     is not the delta rule), and conv updates whose output slice is a literal.
     """
     gm, _ = graph_module_of(program)
-    chunked = find_chunked(gm.graph)
-    named = frozenset(text.split(" at node ")[1].split(" ")[0] for text in chunked)
-    return (_unrolled_steps(gm.graph) + chunked + find_chunk_forms(gm.graph, named)
-            + find_conv_updates(gm.graph))
+    templated = chunked_anchors(gm.graph)
+    named = frozenset(node.name for node, _ in templated)
+    return (_unrolled_steps(gm.graph) + [chunked_form(*found) for found in templated]
+            + find_chunk_forms(gm.graph, named) + find_conv_updates(gm.graph))
 
 
 def _sync_export(ep: torch.export.ExportedProgram, gm: fx.GraphModule, inplace: bool):

@@ -39,6 +39,7 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.conv_meaning import base_of, is_mutation
+from gdn_fx.passes.gdn_chunk import chunked_form
 from gdn_fx.passes.layouts import Layout, batch_heads, group_features, plan_operands
 from gdn_fx.passes.program import ASSERT_META, dtype, fake_mode_of, is_pure, shape
 from gdn_fx.passes.rebuild import rebuild
@@ -196,7 +197,7 @@ def find_chunk_forms(graph: fx.Graph, skip: frozenset = frozenset()) -> list[str
     for anchor in anchors:
         length = _shaped_length(anchor, facts)
         if length is not None:
-            found.append(f"chunked gated-delta form at node {anchor.name} (length {length})")
+            found.append(chunked_form(anchor, length))
     return found
 
 

@@ -53,11 +53,15 @@ def collapse_chunked(graph: fx.Graph, only: Optional[set] = None
     return new, [f.key for f in fusions], misses
 
 
-def find_chunked(graph: fx.Graph) -> list[str]:
-    """Chunked gated-delta computations in the graph (each frozen at its traced length)."""
-    return [f"chunked gated-delta form at node {n.name} (length {s[0].length})"
-            for n in graph.nodes if n.target is ATEN.cumsum.default
+def chunked_anchors(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
+    """(cumsum, traced length) of each chunked form shaped as transformers writes it."""
+    return [(n, s[0].length) for n in graph.nodes if n.target is ATEN.cumsum.default
             for s in [candidate_shapes(graph, n)] if s]
+
+
+def chunked_form(anchor: fx.Node, length: int) -> str:
+    """How ``find_unrolled`` names a chunked form."""
+    return f"chunked gated-delta form at node {anchor.name} (length {length})"
 
 
 def candidate_shapes(graph: fx.Graph, cumsum: fx.Node) -> list[ChunkShape]:
