@@ -106,13 +106,16 @@ class Comparison:
         return all(e <= t for e, t in zip(self.errors, self.tolerances))
 
     def __str__(self) -> str:
-        return ", ".join(f"out{i} {d} rel.err {e:.2e} (tol {t:g})" for i, (e, t, d) in
-                         enumerate(zip(self.errors, self.tolerances, self.dtypes)))
+        return ", ".join(self._lines(only_failing=False))
 
-    def failures(self) -> str:
-        """The outputs over their tolerance only (``str`` lists every output)."""
-        return ", ".join(f"out{i} {d} rel.err {e:.2e} (tol {t:g})" for i, (e, t, d) in
-                         enumerate(zip(self.errors, self.tolerances, self.dtypes)) if e > t)
+    def failures(self) -> list[str]:
+        """One line per output over its tolerance (``str`` lists every output)."""
+        return self._lines(only_failing=True)
+
+    def _lines(self, only_failing: bool) -> list[str]:
+        return [f"out{i} {d} rel.err {e:.2e} (tol {t:g})" for i, (e, t, d) in
+                enumerate(zip(self.errors, self.tolerances, self.dtypes))
+                if e > t or not only_failing]
 
 
 KEPT_STATE_RUNS = 2
