@@ -14,23 +14,25 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.chunk_meaning import collapse_chunks_by_meaning, find_chunk_forms
-from gdn_fx.passes.conv_update import collapse_conv_updates, find_conv_updates
-from gdn_fx.passes.gdn_chunk import chunked_anchors, chunked_form, collapse_chunked
-from gdn_fx.passes.gdn_recurrent import collapse_recurrences, find_unrolled as _unrolled_steps
+from gdn_fx.passes.chunk_meaning import ChunkMeaningRule, find_chunk_forms
+from gdn_fx.passes.conv_update import ConvUpdateRule, find_conv_updates
+from gdn_fx.passes.gdn_chunk import ChunkTemplateRule, chunked_anchors, chunked_form
+from gdn_fx.passes.gdn_recurrent import RecurrenceRule, find_unrolled as _unrolled_steps
 from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
+from gdn_fx.passes.rebuild import rebuild
 from gdn_fx.passes.result import CollapseResult, Miss
+from gdn_fx.passes.rule import Rule
 from gdn_fx.passes.validate import Validator, compare_programs
 
-# Every rule reads a graph and returns a new one, or the same one when it fuses nothing:
-# rule(graph, only) -> (graph, keys, misses) (validate.Rule); none modifies its input. The
-# loop rules run first, on the original graph, since unrolled loops are most of it; the
-# conv rule copies what is left.
-RULES = (
-    ("gated_delta_scan", collapse_recurrences),
-    ("gated_delta_scan", collapse_chunked),
-    ("gated_delta_scan", collapse_chunks_by_meaning),  # chunked forms no template matched
-    ("causal_conv1d_update", collapse_conv_updates),
+# Every rule plans fusions on the graph it is handed, read-only (rule.py); ``_collapse``
+# rebuilds, validates and hands the result to the next rule. The loop rules run first, on
+# the original graph, since unrolled loops are most of it; the later ones see what is left.
+# To add a rule: one more entry here.
+RULES: tuple[Rule, ...] = (
+    RecurrenceRule(),
+    ChunkTemplateRule(),
+    ChunkMeaningRule(),  # chunked forms no template matched
+    ConvUpdateRule(),
 )
 
 
@@ -71,17 +73,21 @@ def _collapse(program: Any, inplace: bool, verify: bool, example_inputs) -> Coll
     gm, ep = graph_module_of(program)
     validator = Validator(gm, ep, example_inputs) if verify else None
     graph, counts, misses = gm.graph, {}, []
-    for name, rule in RULES:
-        new, keys, found = rule(graph, None)
+    for rule in RULES:
+        fusions, found = rule.plan(graph)
         misses.extend(found)
-        if validator is not None and keys:
-            new, keys, rejected = validator.settle(rule, name, graph, new, keys)
+        counts.setdefault(rule.name, 0)
+        if not fusions:
+            continue
+        if validator is None:
+            graph = rebuild(graph, fusions)
+        else:
+            graph, fusions, rejected = validator.settle(rule.name, graph, fusions)
             misses.extend(rejected)
-        counts[name] = counts.get(name, 0) + len(keys)
-        graph = new
+        counts[rule.name] += len(fusions)
     misses = _still_standing(misses, graph)
-    if graph is gm.graph and not inplace:  # no rule changed it (a rule that fuses nothing
-        graph = copy.deepcopy(graph)  # hands its input back): the input stays untouched
+    if graph is gm.graph and not inplace:  # no fusion was made: the input stays untouched
+        graph = copy.deepcopy(graph)
     if inplace:
         gm.graph = graph
     else:
@@ -126,4 +132,4 @@ def _sync_export(ep: torch.export.ExportedProgram, gm: fx.GraphModule, inplace: 
         example_inputs=ep.example_inputs, constants=ep.constants, verifiers=ep.verifiers)
 
 
-__all__ = ["CollapseResult", "Miss", "collapse", "compare_programs", "find_unrolled"]
+__all__ = ["CollapseResult", "Miss", "Rule", "collapse", "compare_programs", "find_unrolled"]

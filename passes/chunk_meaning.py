@@ -42,7 +42,7 @@ from gdn_fx.passes.conv_meaning import base_of, is_mutation
 from gdn_fx.passes.gdn_chunk import chunked_form
 from gdn_fx.passes.layouts import Layout, batch_heads, group_features, plan_operands
 from gdn_fx.passes.program import ASSERT_META, dtype, fake_mode_of, is_pure, shape
-from gdn_fx.passes.rebuild import rebuild
+from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
 from gdn_fx.passes.step_meaning import (Float64, TOLERANCE, evaluable, layouts_for,
@@ -142,14 +142,21 @@ class Verdict:
 
 # --- the rule ------------------------------------------------------------------------------
 
-def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
-                               ) -> tuple[fx.Graph, list[str], list[Miss]]:
-    """Fuse every chunked gated-delta region found by meaning (those keyed in ``only``, when
-    given); return (new graph, keys of the fusions made, near-misses). A key names the
-    region's anchor (its cumsum). ``graph`` is read, never modified."""
+class ChunkMeaningRule:
+    """Every chunked gated-delta region found by meaning (the forms no template matched); a
+    fusion's key names the region's anchor (its cumsum)."""
+
+    name = NAME
+
+    def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
+        return plan_chunks_by_meaning(graph)
+
+
+def plan_chunks_by_meaning(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
+    """(fusions, near-misses) for the chunked regions around the graph's cumsums."""
     anchors = _anchors(graph)
-    if not anchors:  # the usual case once the other rules ran: no copy, no walk
-        return graph, [], []
+    if not anchors:  # the usual case once the other rules ran: no walk
+        return [], []
     facts = Facts.of(graph)
     fusions, misses, taken, proven, mode = [], [], set(), [], None
     for anchor in anchors:
@@ -171,16 +178,13 @@ def collapse_chunks_by_meaning(graph: fx.Graph, only: Optional[set] = None
         claimed = taken - {v.cut.value for v in proven} - {v.cut.final for v in proven}
         taken = taken | verdict.cut.nodes
         proven.append(verdict)
-        if only is not None and anchor.name not in only:
-            continue
         try:
             mode = mode or fake_mode_of(graph)
             fusions.append(_plan(verdict, anchor, facts.order, mode, claimed))
         except NoMatch as err:
             misses.append(Miss(NAME, f"chunked form by meaning: {err.reason}",
                                node=err.node or anchor.name))
-    new = rebuild(graph, fusions) if fusions else graph  # unchanged: _collapse copies it
-    return new, [f.key for f in fusions], misses
+    return fusions, misses
 
 
 def find_chunk_forms(graph: fx.Graph, skip: frozenset = frozenset()) -> list[str]:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from gdn_fx.passes.program import ASSERT_META, add_node, dtype, fake_mode_of, shape
-from gdn_fx.passes.rebuild import Fusion, rebuild
+from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.step_meaning import Float64, evaluable
 
@@ -121,8 +121,9 @@ def _is_leaf(node: fx.Node) -> bool:
     return node.op in ("placeholder", "get_attr")
 
 
-def weight_seeds(graph: fx.Graph) -> list:
-    """Depthwise-looking weights: [C, K] or [C, 1, K] leaves, 2 <= K <= 16, not yet fused."""
+def weight_seeds(graph: fx.Graph, claimed: frozenset = frozenset()) -> list:
+    """Depthwise-looking weights: [C, K] or [C, 1, K] leaves, 2 <= K <= 16, not yet fused
+    (by an earlier collapse, or by the structural rule's plans on ``claimed`` convs)."""
     seeds = []
     for node in graph.nodes:
         dims = shape(node)
@@ -132,16 +133,17 @@ def weight_seeds(graph: fx.Graph) -> list:
             continue
         if not 2 <= dims[-1] <= MAX_KERNEL or not node.users:
             continue
-        if _feeds_fused(node):
+        if _feeds_fused(node, claimed):
             continue
         seeds.append(node)
     return seeds
 
 
-def _feeds_fused(node: fx.Node, depth: int = 3) -> bool:
+def _feeds_fused(node: fx.Node, claimed: frozenset, depth: int = 3) -> bool:
     if depth < 0:
         return False
-    return any(u.target is CONV_OP or _feeds_fused(u, depth - 1) for u in node.users)
+    return any(u.target is CONV_OP or u in claimed or _feeds_fused(u, claimed, depth - 1)
+               for u in node.users)
 
 
 def _forward(starts, limit: int, order: dict) -> set:
@@ -516,11 +518,12 @@ class Found:
     key: str
 
 
-def find_updates(graph: fx.Graph) -> tuple[list, list]:
-    """(proven regions, near-misses with the region's nodes) for every unfused weight."""
+def find_updates(graph: fx.Graph, claimed: frozenset = frozenset()) -> tuple[list, list]:
+    """(proven regions, near-misses with the region's nodes) for every unfused weight
+    (``claimed``: convs the structural rule plans to fuse)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     proven, misses, taken = [], [], set()
-    for weight in weight_seeds(graph):
+    for weight in weight_seeds(graph, claimed):
         channels, kernel = shape(weight)[0], shape(weight)[-1]
         nearest = None
         done = False
@@ -605,33 +608,27 @@ def _check_placement(region: Region, order: dict) -> None:
                               node=user)
 
 
-def collapse_by_meaning(graph: fx.Graph, only: Optional[set] = None,
-                        missed: Optional[set] = None
-                        ) -> tuple[fx.Graph, list[str], list[Miss], set]:
-    """Fuse every conv update found by meaning; near-misses for the regions that are not.
+def plan_by_meaning(graph: fx.Graph, missed: set, claimed: frozenset
+                    ) -> tuple[list[Fusion], list[Miss], set]:
+    """Fusions for every conv update found by meaning; near-misses for the regions that are
+    not.
 
     ``missed``: names of the convs the structural rule left with a near-miss; a weight one of
-    them reads keeps that near-miss (it is more specific) instead of adding its own. Returns (graph, keys,
-    near-misses, names of the nodes of the regions fused: an old near-miss there is moot).
+    them reads keeps that near-miss (it is more specific) instead of adding its own.
+    ``claimed``: the convs the structural rule fuses (their weights are not tried). Returns
+    (fusions, near-misses, names of the nodes of the regions fused: an old near-miss there is
+    moot).
     """
-    proven, found_misses = find_updates(graph)
-    named = set(missed or ())
-    misses = [miss for miss, nodes in found_misses if not nodes & named]
-    fusions, keys, moot = [], [], set()
-    mode = None
+    proven, found_misses = find_updates(graph, claimed)
+    misses = [miss for miss, nodes in found_misses if not nodes & missed]
+    fusions, moot, mode = [], set(), None
     order = {node: i for i, node in enumerate(graph.nodes)}
     for verdict in proven:
-        key = verdict.region.out.name
-        if only is not None and key not in only:
-            continue
         mode = mode or fake_mode_of(graph)
         fusions.append(_fusion(verdict, order, mode))
-        keys.append(key)
         region = verdict.region
         moot |= {n.name for n in region.nodes + [region.state, region.x]}
-    if not fusions:
-        return graph, [], misses, moot
-    return rebuild(graph, fusions), keys, misses, moot
+    return fusions, misses, moot
 
 
 def _fusion(verdict: Verdict, order: dict, mode) -> Fusion:

@@ -20,7 +20,6 @@ last K samples of the padded x.
 
 from __future__ import annotations
 
-import copy
 import operator
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -33,8 +32,9 @@ from gdn_fx.passes.conv_patterns import (
     mutates, number, read_chain, read_feed, real_users, shorten_feed, single, slice_args,
     start_in, tails,
 )
-from gdn_fx.passes.conv_meaning import collapse_by_meaning
-from gdn_fx.passes.program import ASSERT_META, add_node, dtype, fake_mode_of, shape, val
+from gdn_fx.passes.conv_meaning import plan_by_meaning
+from gdn_fx.passes.program import add_node, dtype, fake_mode_of, shape, val
+from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 
 NAME = "causal_conv1d_update"
@@ -72,44 +72,37 @@ class Plan:
     hoist: list = field(default_factory=list)  # pure operand nodes to move before ``first``
 
 
-def collapse_conv_updates(graph: fx.Graph, only: Optional[set] = None
-                          ) -> tuple[fx.Graph, list[str], list[Miss]]:
-    """Fuse every causal conv1d update (those keyed in ``only``, when given); return (new
-    graph, keys of the fusions made, near-misses). A key names the conv node.
+class ConvUpdateRule:
+    """Every causal conv1d update: first by the structural pattern (a fusion's key names the
+    conv node), then, for the regions no pattern took, by what they compute (conv_meaning.py:
+    unfold, shifted multiply-adds, roll, channel-last, K - 1 states, ...; a key names the
+    region's output node)."""
 
-    ``graph`` is not modified: the rewrite works on a copy (small by now: the rule runs after
-    the loops have been collapsed), made only when the graph holds a 1-D conv at all.
+    name = NAME
 
-    Then the regions no structural pattern took are decided by what they compute
-    (conv_meaning.py: unfold, shifted multiply-adds, roll, channel-last, K - 1 states, ...); a
-    key of those names the region's output node.
-    """
-    fused, misses, missed = [], [], set()
-    if conv_nodes(graph):
-        graph = copy.deepcopy(graph)
-        fused, misses, missed = _collapse_patterns(graph, only)
-    graph, by_meaning, more, moot = collapse_by_meaning(graph, only, missed)
-    misses = [m for m in misses if m.node not in moot]
-    return graph, fused + by_meaning, misses + more
+    def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
+        fusions, misses, missed = _plan_patterns(graph)
+        claimed = frozenset(n for n in conv_nodes(graph) if n.name in {f.key for f in fusions})
+        by_meaning, more, moot = plan_by_meaning(graph, missed, claimed)
+        misses = [m for m in misses if m.node not in moot]
+        return fusions + by_meaning, misses + more
 
 
-def _collapse_patterns(graph: fx.Graph, only: Optional[set]) -> tuple[list, list]:
-    """The structural rule, in place on ``graph``: (keys fused, near-misses, names of the
-    convs that got one)."""
-    fused, misses, missed = [], [], set()
-    mode = None
+def _plan_patterns(graph: fx.Graph) -> tuple[list[Fusion], list[Miss], set]:
+    """The structural rule: (fusions, near-misses, names of the convs that got one)."""
+    fusions, misses, missed = [], [], set()
+    order, mode = _order(graph), None
     for node in conv_nodes(graph):
         try:
-            plan = _plan(node, _order(graph))
+            plan = _plan(node, order)
         except NoMatch as err:
             misses.append(Miss(NAME, err.reason, node=err.node))
             missed.add(node.name)
             continue
-        if plan is not None and (only is None or node.name in only):
+        if plan is not None:
             mode = mode or fake_mode_of(graph)
-            _rewrite(graph, plan, mode)
-            fused.append(node.name)
-    return fused, misses, missed
+            fusions.append(_fusion(plan, mode))
+    return fusions, misses, missed
 
 
 def find_conv_updates(gm: Union[fx.GraphModule, fx.Graph]) -> list[str]:
@@ -440,37 +433,40 @@ def _is_zeros(node) -> bool:
 
 # --- the rewrite ---------------------------------------------------------------------------
 
-def _rewrite(graph: fx.Graph, plan: Plan, mode) -> None:
-    for node in plan.hoist:
-        plan.first.prepend(node)
-    x, conv = plan.feed.x, plan.conv
-    with graph.inserting_before(plan.first):
-        weight = plan.weight
+def _fusion(plan: Plan, mode) -> Fusion:
+    """The fused node at the region's first node (its late operands moved there); the output
+    and every kept tail of ``full`` are read from it. An in-place state write stays and
+    copies ``new_state``; the conv and what only it read are left behind."""
+    conv = plan.conv
+
+    def emit(graph: fx.Graph, env) -> dict:
+        weight = env(plan.weight)
         if plan.squeeze:
             weight = add_node(graph, ATEN.squeeze.dims, (weight, [1]), mode=mode)
-        state = plan.feed.state or plan.zeros or _make_zeros(graph, plan, mode)
-        fused = add_node(graph, CONV_OP, (x, state, weight, conv.bias,
+        state = plan.feed.state or plan.zeros
+        state = env(state) if state is not None else _make_zeros(graph, plan, env, mode)
+        bias = env(conv.bias) if isinstance(conv.bias, fx.Node) else conv.bias
+        fused = add_node(graph, CONV_OP, (env(plan.feed.x), state, weight, bias,
                                           plan.ending.activation), mode=mode)
         out = add_node(graph, operator.getitem, (fused, 0), mode=mode)
         new_state = add_node(graph, operator.getitem, (fused, 1), mode=mode)
-    _copy_meta(conv.node, (fused, out, new_state))
-    _redirect(plan.ending.node, out)
-    for tail in plan.tails:
-        _redirect(tail, new_state)
+        _copy_meta(conv.node, (fused, out, new_state))
+        return {"out": out, "new_state": new_state}
+
+    replace = {plan.ending.node: "out"}
+    replace.update({tail: "new_state" for tail in plan.tails})
+    inputs = {n for n in (plan.weight, conv.bias, plan.feed.x, plan.feed.state, plan.zeros)
+              if isinstance(n, fx.Node)}
+    return Fusion(conv.node.name, plan.first, emit, inputs, replace, hoist=list(plan.hoist))
 
 
-def _redirect(old: fx.Node, new: fx.Node) -> None:
-    """Readers of ``old`` read ``new``; asserts stay on ``old`` (it may have another dtype)."""
-    old.replace_all_uses_with(new, delete_user_cb=lambda user: user.target is not ASSERT_META)
-
-
-def _make_zeros(graph: fx.Graph, plan: Plan, mode) -> fx.Node:
+def _make_zeros(graph: fx.Graph, plan: Plan, env, mode) -> fx.Node:
     """zeros([B, C, K]) like x, sizes read from x where they are symbolic."""
     x = plan.feed.x
     sizes = []
     for axis, size in enumerate(shape(x)[:2]):
         symbolic = isinstance(size, torch.SymInt)
-        sizes.append(add_node(graph, ATEN.sym_size.int, (x, axis), mode=mode) if symbolic
+        sizes.append(add_node(graph, ATEN.sym_size.int, (env(x), axis), mode=mode) if symbolic
                      else size)
     sizes.append(_width(plan.conv))
     return add_node(graph, ATEN.zeros.default, (sizes,),

@@ -21,7 +21,7 @@ from gdn_fx.passes.chunk_templates import PADS, ChunkShape, chunk_template, temp
 from gdn_fx.passes.match import Match, match_at, op_name, order_problem, outside_users
 from gdn_fx.passes.operands import scan_operands
 from gdn_fx.passes.program import fake_mode_of, shape
-from gdn_fx.passes.rebuild import rebuild
+from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
 
@@ -31,26 +31,26 @@ FORMS = ("training", "functional", "core")
 RESHAPES = (ATEN.reshape.default, ATEN.view.default, ATEN._unsafe_view.default)
 
 
-def collapse_chunked(graph: fx.Graph, only: Optional[set] = None
-                     ) -> tuple[fx.Graph, list[str], list[Miss]]:
-    """Fuse every chunked gated-delta computation (those keyed in ``only``, when given);
-    return (new graph, keys of the fusions made, near-misses). A key names the region's
-    output node."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    fusions, misses, mode = [], [], None
-    for cumsum in [n for n in graph.nodes if n.target is ATEN.cumsum.default]:
-        shapes = candidate_shapes(graph, cumsum)
-        if not shapes:
-            continue
-        try:
-            region, ops = _find(graph, shapes, order, cumsum)
-            mode = mode or fake_mode_of(graph)
-            if only is None or region.meta_source.name in only:
+class ChunkTemplateRule:
+    """Every chunked gated-delta computation shaped as transformers writes it; a fusion's key
+    names the region's output node."""
+
+    name = NAME
+
+    def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        fusions, misses, mode = [], [], None
+        for cumsum in [n for n in graph.nodes if n.target is ATEN.cumsum.default]:
+            shapes = candidate_shapes(graph, cumsum)
+            if not shapes:
+                continue
+            try:
+                region, ops = _find(graph, shapes, order, cumsum)
+                mode = mode or fake_mode_of(graph)
                 fusions.append(plan_scan(region, ops, order, mode))
-        except NoMatch as err:
-            misses.append(Miss(NAME, f"chunked form: {err.reason}", node=err.node))
-    new = rebuild(graph, fusions) if fusions else graph  # unchanged: _collapse copies it
-    return new, [f.key for f in fusions], misses
+            except NoMatch as err:
+                misses.append(Miss(NAME, f"chunked form: {err.reason}", node=err.node))
+        return fusions, misses
 
 
 def chunked_anchors(graph: fx.Graph) -> list[tuple[fx.Node, int]]:

@@ -28,7 +28,7 @@ from gdn_fx.passes.loop_outputs import gather
 from gdn_fx.passes.loops import (Cluster, Loop, Step, cut_steps, descendants_in, find_clusters,
                                  state_like, step_candidates, tag_window, walk_body)
 from gdn_fx.passes.program import fake_mode_of, is_pure, shape
-from gdn_fx.passes.rebuild import rebuild
+from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
 from gdn_fx.passes.step_meaning import Outcome, decide
@@ -46,26 +46,23 @@ class Recurrence:
     length: int
 
 
-def collapse_recurrences(graph: fx.Graph, only: Optional[set] = None
-                         ) -> tuple[fx.Graph, list[str], list[Miss]]:
-    """Fuse every whole unrolled loop (those keyed in ``only``, when given); return (new graph,
-    keys of the fusions made, near-misses). A key names the region's first step output.
+class RecurrenceRule:
+    """Every whole unrolled loop that is the delta rule; a fusion's key names the region's
+    first step output."""
 
-    ``graph`` is read, never modified: the result is rebuilt from the surviving nodes.
-    """
-    order = _order(graph)
-    found, misses = find_recurrences(graph, order)
-    mode = fake_mode_of(graph) if found else None
-    fusions = []
-    for rec in found:
-        if only is not None and rec.region.meta_source.name not in only:
-            continue
-        try:
-            fusions.append(plan_scan(rec.region, rec.plan.operands, order, mode))
-        except NoMatch as err:
-            misses.append(Miss(NAME, err.reason, node=err.node, of=rec.length))
-    new = rebuild(graph, fusions) if fusions else graph  # unchanged: _collapse copies it
-    return new, [f.key for f in fusions], misses
+    name = NAME
+
+    def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
+        order = _order(graph)
+        found, misses = find_recurrences(graph, order)
+        mode = fake_mode_of(graph) if found else None
+        fusions = []
+        for rec in found:
+            try:
+                fusions.append(plan_scan(rec.region, rec.plan.operands, order, mode))
+            except NoMatch as err:
+                misses.append(Miss(NAME, err.reason, node=err.node, of=rec.length))
+        return fusions, misses
 
 
 def find_recurrences(graph: fx.Graph, order: Optional[dict] = None

@@ -31,7 +31,9 @@ class Fusion:
     ``emit(graph, env)`` adds the new nodes to ``graph`` (``env`` maps an original node to its
     copy; it may only read ``inputs``) and returns them by key; ``replace`` maps original nodes
     to those keys; ``drop`` holds the region's nodes, which are not copied; ``key`` names the
-    region (a node of it) in near-misses and in a rule's ``only``.
+    region (a node of it) in near-misses and validation; ``hoist`` lists pure nodes after the
+    anchor that the new nodes read (operands computed late): they are copied at the anchor,
+    in that order, before ``emit`` runs, instead of where they stand.
     """
 
     key: str
@@ -40,6 +42,7 @@ class Fusion:
     inputs: set = field(default_factory=set)
     replace: dict = field(default_factory=dict)
     drop: set = field(default_factory=set)
+    hoist: list = field(default_factory=list)
 
 
 def rebuild(graph: fx.Graph, fusions: list[Fusion]) -> fx.Graph:
@@ -48,12 +51,16 @@ def rebuild(graph: fx.Graph, fusions: list[Fusion]) -> fx.Graph:
     at = {}
     for fusion in fusions:
         at.setdefault(fusion.anchor, []).append(fusion)
+    hoisted = {n for fusion in fusions for n in fusion.hoist}
     new, env = fx.Graph(), {}
     for node in graph.nodes:
         for fusion in at.get(node, ()):
+            for early in fusion.hoist:  # two fusions may move the same operand: once
+                if early not in env:
+                    env[early] = new.node_copy(early, env.__getitem__)
             made = fusion.emit(new, env.__getitem__)
             env.update({old: made[key] for old, key in fusion.replace.items()})
-        if node not in gone:
+        if node not in gone and node not in hoisted:
             env[node] = new.node_copy(node, env.__getitem__)
     return new
 
@@ -66,7 +73,7 @@ def _left_behind(graph: fx.Graph, fusions: list[Fusion]) -> set:
         if overlap:  # two rules (or one rule twice) claimed the same region: a bug
             raise InternalError(f"fusions overlap at {sorted(n.name for n in overlap)[:5]}")
         gone |= fusion.drop | set(fusion.replace)
-        needed |= fusion.inputs
+        needed |= fusion.inputs | set(fusion.hoist)
     for node in reversed(graph.nodes):
         if node in gone or node in needed or node.op != "call_function" \
                 or node.target is ASSERT_META:

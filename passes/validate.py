@@ -7,6 +7,7 @@ compared: its outputs, and every input and buffer after the run (where an in-pla
 one through a view, shows). A region's value that reaches none of these cannot make the program
 wrong. When the rewrite disagrees, each fusion is tried alone and the ones that disagree (or
 fail to run) are left out, each with a near-miss naming its region and the worst output.
+``Validator.settle`` is where every rule's fusions are rebuilt into a graph and checked.
 
 Inputs: floats are drawn at random (scaled down until the original program stays finite);
 integer and boolean inputs take the program's example inputs where it has them (token ids,
@@ -16,13 +17,14 @@ drawn like inputs (a zero state would hide a fusion that ignores the state).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import fx
 from torch.export.graph_signature import InputKind
 
 from gdn_fx.ops import fast_scan_kernel
+from gdn_fx.passes.rebuild import Fusion, rebuild
 from gdn_fx.passes.result import Miss
 
 # Bounds on max|rewritten - original| / max|original| per output, by the output's dtype: the
@@ -30,11 +32,6 @@ from gdn_fx.passes.result import Miss
 BOUNDS = {torch.float64: 1e-5, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 SCALES = (0.5, 0.05)  # input scales tried in turn until the original's outputs are finite
 SEED = 20261201
-
-# A rule: (graph, only) -> (new graph, keys fused, near-misses). ``only`` limits the fusions
-# to the given keys (None: every one the rule can make); a key names the fused region's node.
-Rule = Callable[[fx.Graph, Optional[set]], tuple]
-
 
 class Validator:
     """The original program run once on probe inputs; rewritten graphs compared against it."""
@@ -85,33 +82,35 @@ class Validator:
             return None
         return f"translation validation: '{name}' differs by {error:.3g} relative (bound {bound:g})"
 
-    def settle(self, rule: Rule, name: str, graph: fx.Graph, new: fx.Graph,
-               keys: list) -> tuple[fx.Graph, list, list]:
-        """(graph, keys, near-misses) once every fusion the rule made has been checked.
+    def settle(self, name: str, graph: fx.Graph, fusions: list[Fusion]
+               ) -> tuple[fx.Graph, list[Fusion], list[Miss]]:
+        """(graph, fusions kept, near-misses) once every fusion of rule ``name`` on ``graph``
+        has been checked; the graph returned is ``graph`` rebuilt with the fusions kept.
 
-        ``new`` is ``graph`` rewritten by ``rule`` with all of ``keys``. When it disagrees,
-        each fusion is tried alone and only those that agree are made.
+        All of them are tried together first; when that disagrees, each one alone, and only
+        those that agree are made (and then checked together once more).
         """
+        new = rebuild(graph, fusions)
         problem = self.mismatch(new)
         if problem is None:
-            return new, keys, []
-        if len(keys) == 1:
-            return graph, [], [Miss(name, problem, node=keys[0])]
+            return new, fusions, []
+        if len(fusions) == 1:
+            return graph, [], [Miss(name, problem, node=fusions[0].key)]
         good, misses = [], []
-        for key in keys:
-            alone, _, _ = rule(graph, {key})
-            problem = self.mismatch(alone)
+        for fusion in fusions:
+            problem = self.mismatch(rebuild(graph, [fusion]))
             if problem is None:
-                good.append(key)
+                good.append(fusion)
             else:
-                misses.append(Miss(name, problem, node=key))
+                misses.append(Miss(name, problem, node=fusion.key))
         if not good:
             return graph, [], misses
-        new, made, _ = rule(graph, set(good))
+        new = rebuild(graph, good)
         problem = self.mismatch(new)
         if problem is not None:  # each agrees alone but not together: keep none
-            return graph, [], misses + [Miss(name, f"together: {problem}", node=k) for k in good]
-        return new, made, misses
+            return graph, [], misses + [Miss(name, f"together: {problem}", node=f.key)
+                                        for f in good]
+        return new, good, misses
 
     # --- running ----------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn as hf_
 from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update as hf_update
 
 from gdn_fx import passes
-from gdn_fx.passes.conv_update import NAME, collapse_conv_updates, find_conv_updates
+from gdn_fx.passes.conv_update import NAME, find_conv_updates
 from gdn_fx.passes.program import graph_module_of
 
 FUSED = torch.ops.gdn_fx.causal_conv1d_update.default
@@ -166,17 +166,9 @@ def _export(module: nn.Module, args: tuple, form: str, **kwargs):
     return ep
 
 
-def _rule_registered() -> bool:
-    return any(name == NAME for name, _ in passes.RULES)
-
-
 def collapse_conv(program):
-    """(collapsed program, conv fusions, conv near-misses) through ``gdn_fx.passes.collapse``;
-    until the rule is registered there, it runs as one more in-place module rule."""
-    with pytest.MonkeyPatch.context() as patch:
-        if not _rule_registered():
-            patch.setattr(passes, "RULES", (*passes.RULES, (NAME, collapse_conv_updates)))
-        result = passes.collapse(program)
+    """(collapsed program, conv fusions, conv near-misses) through ``gdn_fx.passes.collapse``."""
+    result = passes.collapse(program)
     misses = [m for m in result.misses if m.rule == NAME]
     return result.program, result.counts[NAME], misses
 

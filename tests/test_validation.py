@@ -14,7 +14,7 @@ import gdn_fx
 import gdn_fx.passes as passes
 import gdn_fx.passes.gdn_chunk as gdn_chunk
 import gdn_fx.passes.gdn_recurrent as gdn_recurrent
-from gdn_fx.passes.chunk_meaning import collapse_chunks_by_meaning
+from gdn_fx.passes.chunk_meaning import ChunkMeaningRule
 from gdn_fx.passes.chunk_templates import ChunkShape, template_scale
 from tests.programs import export_form, flat, max_rel, run
 
@@ -85,7 +85,7 @@ def test_a_rewrite_that_swaps_operands_is_rolled_back(monkeypatch, form):
 def test_only_the_wrong_fusion_is_rolled_back(monkeypatch):
     module = TwoLoops()
     program = export_form(module, _inputs(), "training")
-    keys = gdn_recurrent.collapse_recurrences(program.graph_module.graph)[1]
+    keys = [f.key for f in gdn_recurrent.RecurrenceRule().plan(program.graph_module.graph)[0]]
     assert len(keys) == 2
     monkeypatch.setattr(gdn_recurrent, "plan_scan", _swap_qk(only_key=keys[1]))
     result = gdn_fx.collapse(program)
@@ -103,7 +103,7 @@ def test_a_chunk_fusion_with_a_wrong_scale_is_rolled_back(monkeypatch):
     assert gdn_fx.collapse(program, verify=False).counts["gated_delta_scan"] == 1
     rules = passes.RULES
     monkeypatch.setattr(passes, "RULES", tuple(r for r in rules
-                                               if r[1] is not collapse_chunks_by_meaning))
+                                               if not isinstance(r, ChunkMeaningRule)))
     result = gdn_fx.collapse(program)
     assert result.counts["gated_delta_scan"] == 0
     assert any("translation validation" in m.reason for m in result.misses)

@@ -1,0 +1,95 @@
+"""The rule substrate (passes/rule.py): every rule plans fusions on a graph it only reads, and
+``collapse`` rebuilds and validates the fusions of whatever rule RULES lists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gdn_fx
+from gdn_fx import passes
+from gdn_fx.passes.program import add_node, fake_mode_of
+from gdn_fx.passes.rebuild import Fusion
+from programs import export_form, run
+from test_collapse_conv import Update, _inputs
+from test_collapse_gdn import HFRule, inputs
+
+MUL = torch.ops.aten.mul.Tensor
+
+
+def _programs() -> list:
+    """A program the recurrence rule fuses and one the conv rule fuses."""
+    return [export_form(HFRule(), inputs(t=3), "training"),
+            export_form(Update(), _inputs(Update(), 1), "training")]
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_every_rule_plans_without_touching_the_graph(index):
+    program = _programs()[index]
+    graph = program.graph_module.graph
+    before = graph.python_code("self").src
+    planned = 0
+    for rule in passes.RULES:
+        fusions, _ = rule.plan(graph)
+        planned += len(fusions)
+        names = {n.name for n in graph.nodes}
+        assert all(f.key in names for f in fusions)
+        assert graph.python_code("self").src == before, type(rule).__name__
+    assert planned >= 1  # the program is one the rules fuse: the check above saw a plan
+
+
+class Toy(torch.nn.Module):
+    def forward(self, x, y):
+        return (x * y).sin()
+
+
+class MulRule:
+    """Replaces each multiply by ``target(b, a)``: right for mul, wrong for sub."""
+
+    name = "toy"
+
+    def __init__(self, target):
+        self.target = target
+
+    def plan(self, graph):
+        mode = fake_mode_of(graph)
+        fusions = []
+        for node in graph.nodes:
+            if node.target is MUL:
+                a, b = node.args
+
+                def emit(new, env, a=a, b=b):
+                    return {"value": add_node(new, self.target, (env(b), env(a)), mode=mode)}
+                fusions.append(Fusion(node.name, node, emit, {a, b}, {node: "value"}))
+        return fusions, []
+
+
+def _toy_args():
+    generator = torch.Generator().manual_seed(3)
+    return torch.randn(4, 5, generator=generator), torch.randn(4, 5, generator=generator)
+
+
+def test_any_rule_listed_is_validated_and_its_wrong_fusion_dropped(monkeypatch):
+    args = _toy_args()
+    program = export_form(Toy(), args, "training")
+    want = Toy()(*args)
+    monkeypatch.setattr(passes, "RULES", (MulRule(torch.ops.aten.sub.Tensor),))
+    unchecked = gdn_fx.collapse(program, verify=False)
+    assert unchecked.counts["toy"] == 1  # the substrate does make what a rule plans ...
+    assert not torch.allclose(run(unchecked.program, args), want)
+    checked = gdn_fx.collapse(program)
+    assert checked.counts["toy"] == 0  # ... unless running it says it is wrong
+    (miss,) = checked.misses
+    assert "translation validation" in miss.reason and miss.node == "mul"
+    torch.testing.assert_close(run(checked.program, args), want)
+
+
+def test_a_right_fusion_of_any_rule_is_made(monkeypatch):
+    args = _toy_args()
+    program = export_form(Toy(), args, "training")
+    monkeypatch.setattr(passes, "RULES", (MulRule(MUL),))
+    result = gdn_fx.collapse(program)
+    assert result.counts["toy"] == 1 and not result.misses
+    muls = [n for n in result.program.graph.nodes if n.target is MUL]
+    assert [a.name for a in muls[0].args] == ["y", "x"]  # the rule's node, not the original
+    torch.testing.assert_close(run(result.program, args), Toy()(*args))
