@@ -23,6 +23,7 @@ from torch import fx
 from gdn_fx.errors import InternalError
 from gdn_fx.passes.match import Pattern
 from gdn_fx.passes.result import NoMatch
+from gdn_fx.passes.rule_kinds import DeltaKind, kind_named
 from gdn_fx.reference import recurrent_delta_rule_reference
 
 ATEN = torch.ops.aten
@@ -30,39 +31,28 @@ PADS = (ATEN.pad.default, ATEN.constant_pad_nd.default)
 INPUTS = ("q", "k", "v", "g", "beta")
 
 
-def _installed(kind: str, places: tuple) -> Callable:
-    """The first of ``places`` (module, function) the installed transformers has: releases
-    differ in which families they ship (5.0 has qwen3_next's rule, not qwen3_5's)."""
+def _installed(kind: DeltaKind) -> Callable:
+    """The first of the family's places (module, function) the installed transformers has."""
     import importlib
 
-    for module, name in places:
+    for module, name in kind.chunk_places:
         try:
             return getattr(importlib.import_module(f"transformers.models.{module}"), name)
         except (ImportError, AttributeError):
             continue
-    raise NoMatch(f"the installed transformers has no chunked {kind} rule to compare with "
-                  f"(looked in {', '.join(m for m, _ in places)})")
+    raise NoMatch(f"the installed transformers has no chunked {kind.label} rule to compare with "
+                  f"(looked in {', '.join(m for m, _ in kind.chunk_places)})")
 
 
-def _qwen_chunk() -> Callable:
-    return _installed("GDN", (("qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule"),
-                              ("qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule")))
-
-
-def _kimi_chunk() -> Callable:
-    return _installed("KDA", (("kimi_linear.modeling_kimi_linear", "chunk_kimi_delta_attention"),))
-
-
-# kind -> the installed transformers' chunked rule. Whether it scales q itself after the pad
-# (inside the cut template) differs across kinds and versions: ``template_scale`` measures it.
-SOURCES = {"gdn": _qwen_chunk, "kda": _kimi_chunk}
+# Whether the installed chunked rule scales q itself after the pad (inside the cut template)
+# differs across families and versions: ``template_scale`` measures it.
 
 
 @dataclass(frozen=True)
 class ChunkShape:
     """What a template is traced at."""
 
-    kind: str  # "gdn" (gate [B, T, H]) or "kda" (gate [B, T, H, Dk])
+    kind: str  # a name in rule_kinds.KINDS ("gdn": gate [B, T, H]; "kda": [B, T, H, Dk])
     batch: int
     heads: int
     length: int
@@ -70,9 +60,16 @@ class ChunkShape:
     dv: int
     chunk: int
 
+    def __post_init__(self):
+        kind_named(self.kind)  # an unknown family is an error here, not another's shapes
+
+    @property
+    def family(self) -> DeltaKind:
+        return kind_named(self.kind)
+
     def example(self) -> tuple:
         b, h, t = self.batch, self.heads, self.length
-        gate = (b, t, h, self.dk) if self.kind == "kda" else (b, t, h)
+        gate = self.family.gate_shape(b, t, h, self.dk)
         return (torch.randn(b, t, h, self.dk), torch.randn(b, t, h, self.dk),
                 torch.randn(b, t, h, self.dv), -torch.rand(gate), torch.rand(b, t, h),
                 torch.randn(b, h, self.dk, self.dv))
@@ -96,7 +93,7 @@ TEMPLATE_CACHE = 16
 @functools.lru_cache(maxsize=TEMPLATE_CACHE)
 def chunk_template(shape: ChunkShape, form: str) -> Pattern:
     """The template for ``shape``, traced in ``form`` ("training", "functional" or "core")."""
-    fn = SOURCES[shape.kind]()
+    fn = _installed(shape.family)
     ep = torch.export.export(_Rule(fn, shape.chunk), shape.example())
     if form == "functional":
         ep = ep.run_decompositions({})
@@ -126,15 +123,16 @@ def template_scale(shape: ChunkShape) -> float:
         errors[scale] = max(_rel(out.transpose(1, 2), want), _rel(final, want_final))
     scale, error = min(errors.items(), key=lambda item: item[1])
     if error > 1e-4:
-        raise NoMatch(f"the installed transformers' {shape.kind} chunk rule does not compute the "
-                      f"delta rule at any q scale (relative errors {sorted(errors.values())})")
+        raise NoMatch(f"the installed transformers' {shape.family.label} chunk rule does not "
+                      "compute the delta rule at any q scale (relative errors "
+                      f"{sorted(errors.values())})")
     return scale
 
 
 def _probe(shape: ChunkShape, generator: torch.Generator) -> tuple:
     """Time-major inputs on which the delta rule is well conditioned (unit-norm keys)."""
     b, h, t, dk, dv = shape.batch, shape.heads, shape.length, shape.dk, shape.dv
-    gate = (b, t, h, dk) if shape.kind == "kda" else (b, t, h)
+    gate = shape.family.gate_shape(b, t, h, dk)
 
     def unit(*dims):
         x = torch.randn(*dims, generator=generator)

@@ -23,6 +23,7 @@ from gdn_fx.passes.operands import scan_operands
 from gdn_fx.passes.program import fake_mode_of, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
+from gdn_fx.passes.rule_kinds import kind_of_chunked_gate
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
 
 NAME = "gated_delta_scan"
@@ -68,15 +69,18 @@ def candidate_shapes(graph: fx.Graph, cumsum: fx.Node) -> list[ChunkShape]:
     """Shapes to trace a template at, read around a cumsum of a padded, chunked gate."""
     dims = shape(cumsum)
     source = _padded_source(cumsum.args[0])
-    if dims is None or source is None or len(dims) not in (4, 5):
+    if dims is None or source is None:
         return []
-    kind = "gdn" if len(dims) == 4 else "kda"
+    kind = kind_of_chunked_gate(len(dims))
+    if kind is None:
+        return []
     b, h, _, chunk = dims[:4]
     length = shape(source)[2]
     widths = sorted(_padded_widths(graph, b, h, length))
-    if kind == "kda":
-        return [ChunkShape(kind, b, h, length, dims[4], dv, chunk) for dv in widths]
-    return [ChunkShape(kind, b, h, length, dk, dv, chunk) for dk in widths for dv in widths]
+    if kind.per_key_gate:  # the gate's last axis is Dk
+        return [ChunkShape(kind.name, b, h, length, dims[4], dv, chunk) for dv in widths]
+    return [ChunkShape(kind.name, b, h, length, dk, dv, chunk) for dk in widths
+            for dv in widths]
 
 
 def _padded_source(node: fx.Node):

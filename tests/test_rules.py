@@ -93,3 +93,17 @@ def test_a_right_fusion_of_any_rule_is_made(monkeypatch):
     muls = [n for n in result.program.graph.nodes if n.target is MUL]
     assert [a.name for a in muls[0].args] == ["y", "x"]  # the rule's node, not the original
     torch.testing.assert_close(run(result.program, args), Toy()(*args))
+
+
+def test_an_unknown_family_is_an_error_not_another_familys_shapes():
+    from gdn_fx.errors import UnknownName
+    from gdn_fx.hf.dropins import make_rule
+    from gdn_fx.passes.chunk_templates import ChunkShape
+
+    with pytest.raises(UnknownName, match="'gla'"):
+        ChunkShape("gla", 1, 2, 8, 4, 4, 64)
+    with pytest.raises(UnknownName, match="'gla'"):
+        make_rule(None, "gla", "recurrent", exact=True)
+    # the two known ones differ where the families do: the gate's shape
+    assert ChunkShape("kda", 1, 2, 8, 4, 6, 64).example()[3].shape == (1, 8, 2, 4)
+    assert ChunkShape("gdn", 1, 2, 8, 4, 6, 64).example()[3].shape == (1, 8, 2)

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 import gdn_fx.ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
 from gdn_fx.errors import UnsupportedModel
 from gdn_fx.hf import compat, patching
-from gdn_fx.hf.patching import CONV_FN, CONV_UPDATE, RULE_NAMES, ModelingModule
+from gdn_fx.hf.patching import CONV_FN, CONV_UPDATE, ModelingModule
+from gdn_fx.passes.rule_kinds import kind_named
 
 SCAN = torch.ops.gdn_fx.gated_delta_scan
 CONV = torch.ops.gdn_fx.causal_conv1d_update
@@ -79,12 +80,13 @@ def _exact_operands(kind: str, l2norm: Callable, use_l2norm: bool,
     which dense sequence-major copies reproduce; the KDA rule works on the layer's views as
     they come, which the op then sees unchanged.
     """
+    family = kind_named(kind)
     q, k, v, g, beta = (x.to(torch.float32) for x in operands)
-    if kind == "gdn":
+    if family.dense_operands:
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if use_l2norm:
         q, k = l2norm(q, dim=-1, eps=1e-6), l2norm(k, dim=-1, eps=1e-6)
-    if kind == "gdn":
+    if family.divides_q:
         return q / (q.shape[-1] ** 0.5), k, v, g, beta
     return q * (1 / (q.shape[-1] ** 0.5)), k, v, g, beta
 
@@ -98,6 +100,7 @@ def make_rule(module: Any, kind: str, form: str, exact: bool) -> Callable:
     (``qk_l2norm=False, scale=1``): in f32 it reproduces transformers' RECURRENT rule bit for
     bit (the chunk rule itself differs from it by rounding).
     """
+    kind_named(kind)  # an unknown family fails here, not at the first call
 
     def run(query, key, value, g, beta, initial_state, output_final_state, use_l2norm, kwargs):
         _no_packing(kwargs)
@@ -128,7 +131,7 @@ def _rule_swaps(m: ModelingModule, exact: bool) -> list[tuple[Any, str, Any]]:
     if m.rule_kind is None:
         return []
     swaps = []
-    for form, name in zip(("recurrent", "chunk"), RULE_NAMES[m.rule_kind]):
+    for form, name in zip(("recurrent", "chunk"), kind_named(m.rule_kind).names):
         current = getattr(m.module, name)
         if patching.role(current) is None:
             rule = make_rule(m.module, m.rule_kind, form, exact)

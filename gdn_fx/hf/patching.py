@@ -26,11 +26,10 @@ from torch import Tensor, nn
 
 from gdn_fx.errors import PatchError
 from gdn_fx.hf import compat
+from gdn_fx.passes.rule_kinds import KINDS
 
-RULE_NAMES = {
-    "gdn": ("torch_recurrent_gated_delta_rule", "torch_chunk_gated_delta_rule"),
-    "kda": ("recurrent_kimi_delta_attention", "chunk_kimi_delta_attention"),
-}
+# family name -> (recurrent, chunk) function names, read off the one record per family
+RULE_NAMES = {name: kind.names for name, kind in KINDS.items()}
 CONV_UPDATE, CONV_FN = "causal_conv1d_update", "causal_conv1d_fn"
 ROLE = "__gdn_fx_role__"  # attribute marking a function gdn-fx installed
 ORIGINAL = "__gdn_fx_original__"  # the transformers function it stands in for
@@ -41,7 +40,7 @@ class ModelingModule:
     """A transformers modeling file a model's layers come from, and what it defines."""
 
     module: types.ModuleType
-    rule_kind: Optional[str]  # "gdn", "kda" or None (no delta rule: lfm2, mamba2)
+    rule_kind: Optional[str]  # a name in rule_kinds.KINDS, or None (no delta rule: lfm2, mamba2)
     has_conv: bool
 
     @property
@@ -198,7 +197,7 @@ def recurrent_swaps(modules: list[ModelingModule]) -> list[tuple[Any, str, Any]]
     swaps = []
     for m in modules:
         if m.rule_kind is not None:
-            rec_name, chunk_name = RULE_NAMES[m.rule_kind]
+            rec_name, chunk_name = KINDS[m.rule_kind].names
             chunk = getattr(m.module, chunk_name)
             if role(chunk) is None:  # a reified chunk rule is already the per-token scan
                 swaps.append((m.module, chunk_name,
