@@ -95,6 +95,10 @@ def test_the_artifact_declares_symbolic_lengths_and_the_contract_order(tmp_path)
     assert files.decode == decode_path(files.main) and files.decode.exists()
     assert set(tract_check.read_decisions(files.decode).values()) == {"matmul_step", "portable"}
     assert "chunked" in tract_check.read_decisions(files.main).values()
+    # Attention runs on the key/value heads (gdn_fx.hf.attention): no cache is repeated
+    # (repeat_kv's unsqueeze + tile of the new cache).
+    for graph in (files.main, files.decode):
+        assert not re.search(r"unsqueeze\(new_(key|value)_\d+", tract_check.nnef_text(graph))
 
 
 def test_last_position_logits_and_an_empty_past(tmp_path):

@@ -39,6 +39,7 @@ from torch import nn
 from torch.export import Dim
 
 from gdn_fx.errors import UnsupportedModel, UsageError
+from gdn_fx.hf.attention import grouped_attention
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.dropins import reify
 from gdn_fx.hf.nnef import fused_counts, prepare_for_nnef
@@ -78,10 +79,11 @@ def decode_path(path: Union[str, Path]) -> Path:
 
 
 def export_program(step: DecodeStep) -> torch.export.ExportedProgram:
-    """The reified step exported with symbolic S (>= 1) and P (>= 0)."""
+    """The reified step exported with symbolic S (>= 1) and P (>= 0), its attention computed
+    on the key/value heads (:func:`gdn_fx.hf.attention.grouped_attention`)."""
     args = step.example_inputs(seq_len=EXAMPLE_SEQ, past_len=EXAMPLE_PAST)
     try:
-        with reify(step.model):
+        with reify(step.model), grouped_attention():
             program = torch.export.export(step, args, strict=False,
                                           dynamic_shapes=step.generator_shapes())
     except torch._dynamo.exc.UserError as error:  # the model bounds S or P (sliding windows)
