@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch import fx
 
 from gdn_fx.passes.layouts import Plan, plan_operands
@@ -55,7 +56,9 @@ class RecurrenceRule:
     def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
         order = _order(graph)
         found, misses = find_recurrences(graph, order)
-        mode = fake_mode_of(graph) if found else None
+        # the mode of the operands the fused nodes read (not a walk over the whole graph)
+        operands = [n for rec in found for n in rec.plan.operands.nodes.values()]
+        mode = fake_mode_of(graph, operands) if found else None
         fusions = []
         for rec in found:
             try:
@@ -250,12 +253,15 @@ def _not_delta(step: Step, outcome: Outcome) -> str:
 
 def _check_steps(loop: Loop):
     """The layout of steps 0..T-2 (None for a single step). Step T-2 is evaluated, and every
-    step that is not node for node the same as the step after it (step 0 among them, its
-    state comes from outside); the others share the verdict of the step after them."""
+    step that is not node for node the same as the step after it; the others share the
+    verdict of the step after them. Step 0's state comes from outside: it shares the verdict
+    only when that state also has the shape and dtype of the state step 1 receives (the
+    same ops on other metadata may compute something else)."""
     steps, layout = loop.steps, None
     for t in range(len(steps) - 2, -1, -1):
         step = steps[t]
-        if t > 0 and t + 1 < len(steps) - 1 and _same_step(step, steps[t + 1]):
+        if t + 1 < len(steps) - 1 and (t > 0 or _same_meta(step.state_in, steps[1].state_in)) \
+                and _same_step(step, steps[t + 1]):
             continue
         outcome = decide(step, step.state_out, loop.groups, layout)
         if outcome.layout is None:
@@ -264,6 +270,17 @@ def _check_steps(loop: Loop):
             layout = outcome.layout
         _same_layout(step, outcome.layout, layout)
     return layout
+
+
+def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    """Same shape, dtype and strides (what an op's result may depend on besides values)."""
+    x, y = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return False
+    dims = [*x.shape, *x.stride(), *y.shape, *y.stride()]
+    if not all(type(d) is int for d in dims):  # symbolic: comparing would add guards
+        return False
+    return x.dtype == y.dtype and (x.shape, x.stride()) == (y.shape, y.stride())
 
 
 def _same_layout(step: Step, got, want) -> None:
@@ -277,7 +294,7 @@ def _same_layout(step: Step, got, want) -> None:
 def _same_step(a: Step, b: Step) -> bool:
     """Whether ``b`` computes what ``a`` does, node for node, from the inputs in the same
     roles (its own state and reads) and the same invariants and literals."""
-    if len(a.body) != len(b.body) or set(a.reads) != set(b.reads):
+    if len(a.body) != len(b.body) or a.reads.keys() != b.reads.keys():
         return False
     m = {a.state_in: b.state_in}
     for group, nodes in a.reads.items():
@@ -286,9 +303,10 @@ def _same_step(a: Step, b: Step) -> bool:
             return False
         m.update(zip(nodes, others))
     for x, y in zip(a.body, b.body):
-        if x.target != y.target or not (_same_args(x.args, y.args, m)
-                                         and _same_args(tuple(x.kwargs.items()),
-                                                        tuple(y.kwargs.items()), m)):
+        if x.target != y.target or not _same_args(x.args, y.args, m):
+            return False
+        if (x.kwargs or y.kwargs) and not _same_args(tuple(x.kwargs.items()),
+                                                     tuple(y.kwargs.items()), m):
             return False
         m[x] = y
     return m.get(a.out) is b.out and (a.state_out is None or m.get(a.state_out) is b.state_out)
@@ -296,17 +314,20 @@ def _same_step(a: Step, b: Step) -> bool:
 
 def _same_args(xs, ys, m: dict) -> bool:
     """Arguments equal once ``m`` maps the first step's nodes to the second's: nodes by
-    identity (fx.Node has no __eq__), literals by value."""
+    identity (fx.Node has no __eq__), literals by value. (Run on every node of every step:
+    the cheap cases go first.)"""
     if len(xs) != len(ys):
         return False
     for x, y in zip(xs, ys):
         if isinstance(x, fx.Node):
             if m.get(x, x) is not y:
                 return False
+        elif isinstance(y, fx.Node):
+            return False
         elif isinstance(x, (list, tuple)):
             if not isinstance(y, (list, tuple)) or not _same_args(x, y, m):
                 return False
-        elif isinstance(y, fx.Node) or not _same_literal(x, y):
+        elif x is not y and not _same_literal(x, y):  # the same object: small ints, None
             return False
     return True
 

@@ -47,6 +47,7 @@ class TimeRead:
 
 
 READS = (ATEN.select.int, ATEN.slice.Tensor, operator.getitem)
+READ_TARGETS = frozenset(READS)  # a set: find_clusters screens every node of the graph
 
 
 def time_read(node: fx.Node) -> Optional[TimeRead]:
@@ -149,6 +150,8 @@ def find_clusters(graph: fx.Graph, order: dict) -> list[Cluster]:
     reads interleave are one loop; single steps merge by window (their reads need not)."""
     by_group = defaultdict(list)
     for node in graph.nodes:
+        if node.target not in READ_TARGETS:  # most nodes: no call, no attribute walk
+            continue
         read = time_read(node)
         if read is not None and not _is_write_target(node):
             by_group[(read.source, read.axis)].append((node, read))
@@ -218,9 +221,9 @@ def _first_use(node: fx.Node, order: dict) -> int:
 
 def tag_window(nodes: list, cluster: Cluster) -> dict:
     """node -> the largest time index it depends on, for the nodes of the cluster's window."""
-    tags = {}
+    tags, reads = {}, cluster.reads
     for node in nodes[cluster.start:cluster.end]:
-        read = cluster.reads.get(node)
+        read = reads.get(node)
         if read is not None:
             tags[node] = read.t
             continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import fx
@@ -41,14 +41,16 @@ def dtype(node: Any) -> Optional[torch.dtype]:
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 
-def fake_mode_of(graph: fx.Graph) -> FakeTensorMode:
-    """The fake mode behind the graph's metadata, or a fresh one when there is none shared.
+def fake_mode_of(graph: fx.Graph, among: Optional[Iterable[fx.Node]] = None
+                 ) -> FakeTensorMode:
+    """The fake mode behind the graph's metadata (of the nodes ``among``, when given: the
+    operands new nodes will read), or a fresh one when there is none shared.
 
     torch.export uses one mode (symbolic sizes live there); make_fx on real tensors gives every
     value its own, with concrete sizes, which a fresh mode can rebuild.
     """
     modes = {}
-    for node in graph.nodes:  # one look per node: an unrolled loop has ~10^4 of them
+    for node in graph.nodes if among is None else among:  # an unrolled loop: ~10^4 nodes
         value = node.meta.get("val")
         if isinstance(value, FakeTensor):
             modes[id(value.fake_mode)] = value.fake_mode

@@ -16,15 +16,15 @@ T, AT = 6, 3  # loop length, perturbed step
 class Loop(torch.nn.Module):
     """An unrolled head-major loop, like transformers', with one step optionally perturbed."""
 
-    def __init__(self, perturb=None):
+    def __init__(self, perturb=None, at=AT):
         super().__init__()
-        self.perturb = perturb
+        self.perturb, self.at = perturb, at
 
     def forward(self, q, k, v, g, beta, s0, g2):
         state, buf, leak = s0, torch.zeros_like(v), None
         before = {}
         for i in range(q.shape[2]):
-            hit = i == AT and self.perturb is not None
+            hit = i == self.at and self.perturb is not None
             idx = {AT: AT + 1, AT + 1: AT}.get(i, i) if self.perturb == "order" else i
             before[i] = state
             if self.perturb == "skip" and i == AT + 1:
@@ -92,6 +92,17 @@ def test_a_miss_names_the_step_and_node():
     (miss,) = [m for m in gdn_fx.collapse(program).misses if "delta rule" in m.reason]
     assert (miss.step, miss.of) == (AT, T)
     assert "sum" in miss.node and f"step {AT} of {T}" in str(miss)
+
+
+@pytest.mark.parametrize("at", [0, T - 2, T - 1])
+def test_a_perturbed_first_or_last_step_is_caught(at):
+    """Steps 0 and T-1 are the ones not compared with a step after them (step 0 shares the
+    verdict of step 1 only when it is node for node the same)."""
+    program = export_form(Loop("sumdim", at=at), loop_inputs(), "training")
+    result = gdn_fx.collapse(program)
+    assert result.counts["gated_delta_scan"] == 0
+    assert any(m.step == at and "delta rule" in m.reason for m in result.misses), \
+        [str(m) for m in result.misses]
 
 
 def test_an_ordinary_graph_has_no_misses():
