@@ -7,7 +7,8 @@ subprocess (so its peak memory is its own), alternately, ``--rounds`` times; fig
 medians over rounds. Floors per format, measured in the same run: the larger of weight bytes /
 this machine's memory bandwidth (one thread, a numpy sum over 1 GiB) and matmul FLOPs / tract's
 matmul peak in that format (a [rows, 1024] x [1024, 4096] product in tract, one row for decode,
-512 for prefill).
+512 for prefill). torch's f32 peak on the same product is printed beside it: prefill is mostly
+matmuls, so that ratio bounds how far tract's prefill can get ahead of torch's.
 
     .venv/bin/python bench/bench_generate.py              # the 0.8B shape (~15 min)
     .venv/bin/python bench/bench_generate.py --quick      # 4 layers, vocab 32k (~2 min)
@@ -148,6 +149,20 @@ def tract_matmul_peak(folder: str, fmt: str, rows: int) -> float:
     return 2 * rows * 1024 * 4096 * repeat / best
 
 
+def torch_matmul_peak(rows: int) -> float:
+    """FLOP/s of torch eager (f32, one thread) on the product tract_matmul_peak times: how
+    far tract's f32 kernels are from torch's on this machine (prefill is mostly matmuls)."""
+    import torch
+
+    layer = torch.nn.Linear(1024, 4096, bias=False)
+    x = torch.randn(1, rows, 1024)
+    repeat = max(1, 256 // rows)
+    with torch.no_grad():
+        layer(x)
+        best = min(_seconds(lambda: [layer(x) for _ in range(repeat)]) for _ in range(5))
+    return 2 * rows * 1024 * 4096 * repeat / best
+
+
 def peaks(formats, folder: Path) -> dict:
     """{fmt: (peak at one row, peak at PREFILL rows)}, each in its own one-thread process."""
     return {fmt: tuple(_child("tract_matmul_peak", str(folder), fmt, rows)["value"]
@@ -211,6 +226,7 @@ def main(argv=None) -> None:
             chunk = measured[f"gdn-fx artifact in tract ({args.formats[0]})"][-1]["chunk"]
             measured[PEER].append(_child("peer.run_peer", peer_art["main"], str(chunk or "")))
     bw, peak = bandwidth(), peaks(sorted(set(args.formats) | {"f32"}), folder)
+    torch_peak = [_child("torch_matmul_peak", rows)["value"] for rows in (1, PREFILL)]
     first = artifacts[args.formats[0]]
     rows = [_row(name, runs, {"f32": peer_art} if name == PEER else artifacts, first, bw,
                  peak) for name, runs in measured.items()]
@@ -234,6 +250,8 @@ def main(argv=None) -> None:
                 f"thread); tract's matmul peak, 1 / {PREFILL} rows: " + ", ".join(
                     f"{fmt} {one / 1e9:.1f} / {many / 1e9:.1f} GFLOP/s"
                     for fmt, (one, many) in peak.items())
+                + f" (torch f32 on the same product: {torch_peak[0] / 1e9:.1f} / "
+                f"{torch_peak[1] / 1e9:.1f})"
                 + f"; matmul FLOPs {2 * first['params'] / 1e9:.2f} G per decode token, "
                 f"{flops * PREFILL / 1e9:.0f} G per prefill. {'; '.join(notes)}.\n")
 
