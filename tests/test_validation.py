@@ -150,3 +150,34 @@ def test_a_program_that_fails_on_probe_inputs_is_left_alone():
     result = gdn_fx.collapse(program)
     assert result.counts["gated_delta_scan"] == 0
     assert any("original program fails on probe inputs" in m.reason for m in result.misses)
+
+
+def test_finiteness_is_decided_exactly():
+    from gdn_fx.passes.validate import _finite
+
+    assert _finite(torch.tensor([1.0, -2.0]))
+    assert not _finite(torch.tensor([1.0, float("nan")]))
+    assert not _finite(torch.tensor([float("inf"), -float("inf")]))  # a NaN sum
+    assert _finite(torch.tensor([3e38, 3e38]))  # the sum overflows; the values are finite
+    assert _finite(torch.tensor([60000.0, 60000.0], dtype=torch.float16))
+
+
+@pytest.mark.parametrize("finite", [True, None])
+def test_disagreement_with_a_finite_reference(finite):
+    from gdn_fx.passes.validate import _disagreement
+
+    want = torch.tensor([1.0, -2.0])
+    assert _disagreement(torch.tensor([1.0, -2.5]), want, finite)[0] == pytest.approx(0.25)
+    assert _disagreement(want.clone(), want, finite)[0] == 0.0
+    for bad in (float("nan"), float("inf")):
+        assert _disagreement(torch.tensor([1.0, bad]), want, finite)[0] == float("inf")
+
+
+def test_disagreement_with_a_reference_that_is_not_finite():
+    from gdn_fx.passes.validate import _disagreement
+
+    want = torch.tensor([float("inf"), 1.0, -4.0])
+    # scaled by the finite entries' largest magnitude: |1.5 - 1| / 4
+    assert _disagreement(torch.tensor([float("inf"), 1.5, -4.0]), want, False)[0] == \
+        pytest.approx(0.125)
+    assert _disagreement(torch.tensor([1.0, 1.0, -4.0]), want, False)[0] == float("inf")
