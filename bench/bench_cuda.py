@@ -20,6 +20,10 @@ The NNEF files are written where torch-to-nnef is installed, the timing runs whe
 
 ``--probe`` also times the native operator on the dtype sets, widths and batches its CUDA
 kernel might take (CUDA against CPU: a ratio near 1 means tract ran it on the CPU).
+Every path of one S runs on the same tract tensors on the host. ``--pinned`` adds rows for
+native, chunked_parallel and the I/O floor on a second set of those tensors whose buffers
+(from 1 MiB) are page-locked (cudaHostRegister), timed in the same rotation; ``--trace``
+writes one call's GPU kernels and copies in order, ``--samples`` every per-round time.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ PROBES = (("f16, f32 state", 16, 128, 1, "f16", "f32"),
           ("f16, width 64", 16, 64, 1, "f16", "f32"),
           ("f16, batch 2", 16, 128, 2, "f16", "f32"))
 PROBE_SEQ = 64
-# "chunked_parallel" variants (largest chunk, state pass), exported for these S
-VARIANTS = ((64, "prefix"), (128, "prefix"), (256, "prefix"))
+# "chunked_parallel" variants (largest chunk), exported for these S
+VARIANTS = (64, 128, 256)
+LEAF_VARIANTS = (8, 16, 32)  # the block inverse's leaf width (the module's LEAF is the table's)
 VARIANT_LENGTHS = (512, 4096)
 # Lengths between the measured ones where the native kernel and "chunked_parallel" cross
 CROSSING = (128, 256)
@@ -136,23 +141,33 @@ def _table_choice(args: tuple) -> str:
 
 
 def variant_entries(folder: Path, lengths: Sequence[int]) -> list[dict]:
-    """"chunked_parallel" with other chunk sizes / state passes (the module's knobs, set for
-    one export each), and native against "chunked_parallel" at the CROSSING lengths."""
+    """"chunked_parallel" with other chunk sizes and leaf widths (the module's knobs, set
+    for one export each), and native against "chunked_parallel" at the CROSSING lengths."""
     from gdn_fx.lowering import gdn_chunked_parallel as cp
 
     entries = []
     for seq in [s for s in VARIANT_LENGTHS if s in lengths]:
-        for chunk, state_pass in VARIANTS:
-            kept = cp.CHUNK, cp.LONG_CHUNK, cp.STATE_PASS
+        for chunk in [c for c in VARIANTS if c != cp.chunk_for(seq)]:  # the table's: its row
+            kept = cp.CHUNK, cp.LONG_CHUNK
             cp.CHUNK = cp.LONG_CHUNK = chunk
-            cp.STATE_PASS = state_pass
             try:
-                path = _export(inputs(seq), folder / f"cp_{chunk}_{state_pass}_s{seq}.nnef",
+                path = _export(inputs(seq), folder / f"cp_{chunk}_s{seq}.nnef",
                                {"*": "chunked_parallel"})
             finally:
-                cp.CHUNK, cp.LONG_CHUNK, cp.STATE_PASS = kept
+                cp.CHUNK, cp.LONG_CHUNK = kept
             entries.append(dict(kind="bench", seq=seq, path=path, table="-",
-                                name=f"chunked_parallel C={chunk} {state_pass}"))
+                                name=f"chunked_parallel C={chunk}"))
+    for seq in [s for s in VARIANT_LENGTHS if s in lengths]:
+        for leaf in [w for w in LEAF_VARIANTS if w != cp.LEAF]:
+            kept = cp.LEAF
+            cp.LEAF = leaf
+            try:
+                path = _export(inputs(seq), folder / f"cp_leaf{leaf}_s{seq}.nnef",
+                               {"*": "chunked_parallel"})
+            finally:
+                cp.LEAF = kept
+            entries.append(dict(kind="bench", seq=seq, path=path, table="-",
+                                name=f"chunked_parallel leaf {leaf}"))
     for seq in [s for s in VARIANT_LENGTHS if s in lengths]:
         program = torch.export.export(IoFloor(), inputs(seq))
         path = gdn_fx_export(program, folder / f"io_floor_s{seq}.nnef")
@@ -247,15 +262,45 @@ def load(path: str, runtime: str):
     return tract_check.load(path, runtime)
 
 
-def timed_calls(runnable, arrays: list[np.ndarray]) -> tuple[Callable, Callable, float]:
-    """(State.run alone: one State kept, inputs already tract tensors on the host, so every
-    call uploads them and waits for the outputs on the host, the same for every path; the
-    same call with both outputs read back to numpy; the largest difference between that
-    State's answer and a fresh run's, which must be 0 for the timing to be of the verified
-    path)."""
+_TENSORS: dict[tuple, list] = {}  # one set of host tensors per input set, shared by paths
+
+
+def host_tensors(arrays: list[np.ndarray], pinned: bool = False) -> list:
+    """The tract tensors every path of these inputs runs on (the same objects for all of
+    them, so no path gets luckier host memory). ``pinned``: a second set whose large
+    buffers (>= 1 MiB) are page-locked with cudaHostRegister (portable), so the driver
+    copies them to the GPU by DMA instead of through its pageable staging buffer; the
+    inputs' values are the same."""
     import tract
 
-    tensors = [tract.Tensor.from_numpy(a) for a in arrays]
+    key = tuple((a.shape, a.dtype.str, a.tobytes()[:64]) for a in arrays) + (pinned,)
+    if key not in _TENSORS:
+        tensors = [tract.Tensor.from_numpy(a) for a in arrays]
+        if pinned:
+            for tensor, array in zip(tensors, arrays):
+                if array.nbytes >= 1 << 20:
+                    _page_lock(tensor, array.nbytes)
+        _TENSORS[key] = tensors
+    return _TENSORS[key]
+
+
+def _page_lock(tensor, nbytes: int) -> None:
+    """cudaHostRegister on the tract tensor's own host buffer (tract_tensor_as_bytes)."""
+    _, _, data = tensor._parts()
+    address = data if isinstance(data, int) else data.value
+    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)  # cudaHostRegisterPortable
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {error}")
+
+
+def timed_calls(runnable, arrays: list[np.ndarray],
+                pinned: bool = False) -> tuple[Callable, Callable, float]:
+    """(State.run alone: one State kept, inputs already tract tensors on the host (one set
+    shared by every path), so every call uploads them and waits for the outputs on the host,
+    the same for every path; the same call with both outputs read back to numpy; the largest
+    difference between that State's answer and a fresh run's, which must be 0 for the
+    timing to be of the verified path)."""
+    tensors = host_tensors(arrays, pinned)
     state = runnable.spawn_state()
     fresh = [t.to_numpy() for t in runnable.run(arrays)]
     kept = [t.to_numpy() for t in state.run(tensors)]
@@ -290,7 +335,11 @@ def why(exc: BaseException, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def measure(entry: dict, runtime: str, profiles: dict) -> dict:
+PINNED = ", pinned inputs"
+PINNED_PATHS = ("native", "chunked_parallel", "I/O floor (same inputs/outputs, elementwise only)")
+
+
+def measure(entry: dict, runtime: str, profiles: dict, pinned: bool = False) -> dict:
     """Load, check and make the timed call of one manifest entry (errors recorded)."""
     result = dict(entry)
     try:
@@ -300,6 +349,14 @@ def measure(entry: dict, runtime: str, profiles: dict) -> dict:
         result["load_s"] = seconds
         result["run"], result["call"], result["drift"] = timed_calls(runnable, arrays)
         result["error"] = common.rel_error(runnable, arrays, oracle(args))
+        if pinned and runtime == "cuda" and entry["kind"] == "bench" and (
+                entry["name"] in PINNED_PATHS and entry.get("operands", "f16") == "f16"):
+            try:
+                result["pinned_run"], result["pinned_call"], pinned_drift = timed_calls(
+                    runnable, arrays, pinned=True)
+                result["drift"] = max(result["drift"], pinned_drift)
+            except Exception as exc:  # noqa: BLE001  (the pageable row still stands)
+                result["host_ops"] = f"pinned inputs failed: {type(exc).__name__}: {why(exc)}"
     except Exception as exc:  # noqa: BLE001  (the table shows why this path is missing)
         result["failed"] = f"{type(exc).__name__}: {why(exc)}"
         return result
@@ -324,6 +381,7 @@ def label(entry: dict) -> str:
 
 
 RUN = " (run alone)"
+SAMPLES: dict[int, dict[str, list[float]]] = {}  # --samples: per S, per timed call, ms per round
 
 
 def bench_table(seq: int, results: list[dict], rounds: int) -> str:
@@ -332,26 +390,33 @@ def bench_table(seq: int, results: list[dict], rounds: int) -> str:
     ok = [r for r in results if "call" in r]
     calls = {label(r): r["call"] for r in ok}
     calls.update({label(r) + RUN: r["run"] for r in ok})
+    calls.update({label(r) + PINNED: r["pinned_call"] for r in ok if "pinned_call" in r})
+    calls.update({label(r) + PINNED + RUN: r["pinned_run"] for r in ok if "pinned_run" in r})
     samples = common.interleave(calls, rounds, min_time=0.2)
-    native = "native" if "native" in samples.rounds else None
     rows = []
     for r in results:
         if "call" not in r:
             rows.append([label(r)] + [None] * 10 + [r["failed"]])
             continue
-        name, split = label(r), r.get("split", {})
-        rows.append([name, common.ms(samples.median(name + RUN)), common.ms(samples.median(name)),
-                     common.ratio(samples.ratio(name + RUN, native + RUN)) if native else None,
-                     common.ratio(samples.ratio(name, native)) if native else None,
-                     common.error_cell(r["error"], TOLERANCE),
-                     common.ms(split.get("cuda")), common.ms(split.get("transfer")),
-                     common.ms(split.get("cpu")), f"{r['load_s']:.2g}", f"{r['drift']:.1g}",
-                     r.get("host_ops") or ""])
+        for name in [label(r)] + ([label(r) + PINNED] if "pinned_call" in r else []):
+            # tract's profile was taken on the pageable inputs: not repeated for pinned rows
+            split = {} if name.endswith(PINNED) else r.get("split", {})
+            native = "native" + (PINNED if name.endswith(PINNED) else "")
+            native = native if native in samples.rounds else None
+            rows.append([name, common.ms(samples.median(name + RUN)),
+                         common.ms(samples.median(name)),
+                         common.ratio(samples.ratio(name + RUN, native + RUN)) if native else None,
+                         common.ratio(samples.ratio(name, native)) if native else None,
+                         common.error_cell(r["error"], TOLERANCE),
+                         common.ms(split.get("cuda")), common.ms(split.get("transfer")),
+                         common.ms(split.get("cpu")), f"{r['load_s']:.2g}", f"{r['drift']:.1g}",
+                         "" if name.endswith(PINNED) else r.get("host_ops") or ""])
     chosen = next((r["table"] for r in results if r["table"] != "-"), "-")
     columns = ["path", "run alone ms", "with read-back ms", "vs native (run alone)",
                "vs native (with read-back)", "rel. error",
                "GPU ops ms", "transfers+waits ms", "CPU ops ms", "load s", "State drift",
                "slowest CPU ops (profiler)"]
+    SAMPLES[seq] = {name: [t * 1e3 for t in times] for name, times in samples.rounds.items()}
     return f"**S = {seq}** (the table's choice for CUDA: {chosen})\n\n" + \
         common.markdown(columns, rows) + "\n"
 
@@ -359,14 +424,17 @@ def bench_table(seq: int, results: list[dict], rounds: int) -> str:
 KERNEL_CALLS = 3
 
 
-def kernel_profile(entry: dict) -> str:
+TRACES: dict[str, list] = {}  # --trace: per file, one call's kernels and copies in order
+
+
+def kernel_profile(entry: dict, pinned: bool = False) -> str:
     """What the GPU itself does in one State.run: tract's kernels and copies as CUDA's
     profiling interface (CUPTI, through torch.profiler, which records every context of the
     process) sees them, per call (KERNEL_CALLS calls averaged): the kernel count, kernel
     time, host-to-device and device-to-host copy time, and the kernels that take longest."""
     from torch.profiler import ProfilerActivity, profile
 
-    run = entry["run"]
+    run = entry["pinned_run" if pinned else "run"]
     run()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(KERNEL_CALLS):
@@ -377,6 +445,11 @@ def kernel_profile(entry: dict) -> str:
         events = json.loads(trace.read_text()).get("traceEvents", [])
     kernels: dict[str, list[float]] = {}
     copies = {"HtoD": 0.0, "DtoH": 0.0, "other": 0.0}
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e.get("ts", 0.0))
+    TRACES[Path(entry["path"]).name + (PINNED if pinned else "")] = [
+        (e.get("name", "")[:90], e.get("ts"), e.get("dur"))
+        for e in gpu[: len(gpu) // KERNEL_CALLS]]
     for event in events:
         cat, name, dur = event.get("cat", ""), event.get("name", ""), event.get("dur", 0.0)
         if cat == "kernel":
@@ -389,7 +462,8 @@ def kernel_profile(entry: dict) -> str:
     top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:5]
     tops = ", ".join(f"{k} x{len(d) // KERNEL_CALLS} {sum(d) / KERNEL_CALLS / 1e3:.3g} ms"
                      for k, d in top)
-    return (f"- {label(entry)}, S = {entry['seq']}: {count:.0f} kernels, {busy:.3g} ms of "
+    return (f"- {label(entry) + (PINNED if pinned else '')}, S = {entry['seq']}: {count:.0f} "
+            f"kernels, {busy:.3g} ms of "
             f"kernel time, copies in {copies['HtoD'] / KERNEL_CALLS / 1e3:.3g} ms, out "
             f"{copies['DtoH'] / KERNEL_CALLS / 1e3:.3g} ms, other "
             f"{copies['other'] / KERNEL_CALLS / 1e3:.3g} ms per call; longest: {tops}")
@@ -414,7 +488,9 @@ def probe_table(results: list[dict], cpu_results: list[dict], rounds: int) -> st
 
 
 def run(folder: Path, runtime: str, lengths: Sequence[int], rounds: int,
-        profiles_out: Optional[Path], kernels: bool = False) -> None:
+        profiles_out: Optional[Path], kernels: bool = False,
+        trace_out: Optional[Path] = None, pinned: bool = False,
+        samples_out: Optional[Path] = None) -> None:
     manifest = json.loads((folder / "manifest.json").read_text())
     for entry in manifest:
         entry["path"] = str(folder / Path(entry["path"]).name)  # written on another machine
@@ -426,7 +502,7 @@ def run(folder: Path, runtime: str, lengths: Sequence[int], rounds: int,
                               "outputs; error = max relative error vs the float64 "
                               "recurrence"))
     for seq in sorted({e["seq"] for e in manifest if e["kind"] == "bench"} & set(lengths)):
-        results = [measure(e, runtime, profiles) for e in manifest
+        results = [measure(e, runtime, profiles, pinned) for e in manifest
                    if e["kind"] == "bench" and e["seq"] == seq]
         common.emit(bench_table(seq, results, rounds))
         for r in results:
@@ -435,10 +511,11 @@ def run(folder: Path, runtime: str, lengths: Sequence[int], rounds: int,
         if kernels and runtime == "cuda":
             common.emit(f"GPU work per call (S = {seq}):\n")
             for r in (r for r in results if "run" in r):
-                try:
-                    common.emit(kernel_profile(r))
-                except Exception as exc:  # noqa: BLE001  (the timings above still stand)
-                    common.emit(f"- {label(r)}: kernel profile failed: {why(exc)}")
+                for locked in [False] + ([True] if "pinned_run" in r else []):
+                    try:
+                        common.emit(kernel_profile(r, locked))
+                    except Exception as exc:  # noqa: BLE001  (the timings above still stand)
+                        common.emit(f"- {label(r)}: kernel profile failed: {why(exc)}")
             common.emit("")
     for entry in (e for e in manifest if e["kind"] == "tiny"):
         common.emit(tiny_model_check(entry, folder, runtime) + "\n")
@@ -449,6 +526,10 @@ def run(folder: Path, runtime: str, lengths: Sequence[int], rounds: int,
         common.emit(probe_table(gpu, cpu, rounds))
     if profiles_out is not None:
         profiles_out.write_text(json.dumps(profiles))
+    if trace_out is not None:
+        trace_out.write_text(json.dumps(TRACES))
+    if samples_out is not None:
+        samples_out.write_text(json.dumps(SAMPLES))
 
 
 def main() -> None:
@@ -469,6 +550,14 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true",
                     help="with --run on CUDA: also each path's GPU kernels and copies per call "
                     "(CUPTI through torch.profiler)")
+    ap.add_argument("--trace", type=Path,
+                    help="with --kernels: write one call's GPU kernels and copies per path, in "
+                    "order (name, start us, duration us), to this JSON file")
+    ap.add_argument("--pinned", action="store_true",
+                    help="with --run on CUDA: also time native, chunked_parallel and the I/O "
+                    "floor on page-locked host inputs (cudaHostRegister), in the same rotation")
+    ap.add_argument("--samples", type=Path,
+                    help="with --run: write every timed call's per-round times (ms) here")
     args = ap.parse_args()
     common.silence_warnings()
     import gdn_fx  # noqa: F401  (registers torch.ops.gdn_fx)
@@ -479,7 +568,7 @@ def main() -> None:
         prepare(args.prepare, args.lengths, args.probe, args.tiny, args.paths)
     if args.run is not None:
         run(args.run, args.runtime, args.lengths, common.rounds_for(args, full=7),
-            args.profiles, args.kernels)
+            args.profiles, args.kernels, args.trace, args.pinned, args.samples)
 
 
 if __name__ == "__main__":

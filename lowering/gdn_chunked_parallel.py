@@ -1,44 +1,54 @@
-"""Candidate "chunked_parallel" for gated_delta_scan: the chunked (WY) form with every chunk
-computed at once and the chunk-to-chunk state pass as a log-depth prefix of affine maps.
+"""Candidate "chunked_parallel" for gated_delta_scan: the chunked (WY) form with every chunk's
+own terms computed at once (batched over chunks), for tract's CUDA runtime (static S).
 
-Written for tract's CUDA runtime (static S): every op is a batched kernel over all chunks, no
-loop (tract_core_scan runs on the CPU there), and the number of kernels grows with log2 of the
-chunk count instead of the chunk count.
-
-With the chunk terms of gdn_chunked_text.py (U, W, the decays), chunk c maps the state S_c
-entering it to
+With the chunk terms of gdn_chunked_text.py (T = (I + A)^-1, U = T diag(beta) V,
+W = T diag(beta e^gamma / |k|) K, the decays), chunk c maps the state S_c entering it to
 
     S_{c+1} = M_c S_c + B_c,   M_c = e^gamma_C I - K_r^T W,   B_c = K_r^T U,
 
-K_r = diag(e^(gamma_C - gamma) / |k|) k. The states after every chunk are the inclusive prefix
-compositions of these maps: log2(n) levels (Hillis-Steele), each two batched matmuls,
-(M, B)[c] <- (M[c] M[c-d], M[c] B[c-d] + B[c]) for c >= d. S_0 is folded into B_0, so the
-prefix B is the state itself, and M_0 need not be zeroed: an update at shift d multiplies by
-M[c] only for c >= d, whose span starts after chunk 0, so a wrong "M" of a span reaching
-chunk 0 never multiplies a state. Then every chunk's output comes from the state entering
-it, batched over chunks, as in the sequential form.
+K_r = diag(e^(gamma_C - gamma) / |k|) K, and its output is
 
-Cost against the sequential form: log2(n) products of [Dk, Dk] by [Dk, Dk + Dv] per chunk
-(the M products) instead of one [C, Dk] by [Dk, Dv]: more arithmetic, far fewer kernels.
+    O_c = (Q' - L W) S_c + L U,   Q' = diag(e^gamma scale / |q|) Q,   L = (Q' K^T * E) / |k|_row
+
+(E the causal decay matrix), the sequential form's Q' S + L (U - W S) regrouped so that the
+state meets one matmul.
+
+What the text is shaped by (tract 0.23.9's CUDA runtime, measured on an H200):
+
+- tract's GEMM reads both operands with the contracted axis innermost: a matmul whose right
+  operand is [K, N] gets a copy of it transposed first (a "perm_weights" GpuMoveAxis, one
+  full-size copy per matmul). So every matmul here is ``matmul(a, b, transposeB = true)``
+  of tensors produced in that layout: keys, values, U and W are carried transposed
+  ([D, C]) where they are right operands, the state as S^T, the products chosen so that
+  each result comes out in the layout its reader wants. Only the block inverse's own
+  products (T A T) keep a copy.
+- T = (I + A)^-1 is built by doubling the block width (leaf L, then 2L, ... C), each level
+  on its real blocks: A's diagonal blocks of width b come straight from a matmul of the
+  keys reshaped [C/b, b, Dk] (no slice, no mask over a whole [C, C]), the leaf blocks are
+  inverted by the product form, and each doubling (T <- T - T A_21 T, the 2x2 block step)
+  works on [C/b, b, b] block stacks, the halves placed on the diagonal by a broadcast
+  multiply with a 2x2 identity. Only the last level is [C, C].
+- The state pass runs chunk after chunk: one [Dv, Dk] x [Dk, Dk] matmul and one add per
+  chunk (n - 1 of each, plus the final state), instead of the log-depth prefix of the maps
+  (whose M products cost log2(n) full-size matmuls and copies per level). M and B are read
+  per chunk through slices of a reshaped view: tract's PushSliceUp pass (tract-core
+  optim/push_split_down.rs) splits an op whose every reader is a slice along one axis into
+  one op per piece, and a reshape that merges the sliced axis stops it (AxisOp::slice
+  declines), so the batched chunk terms stay batched.
+- ranks stay <= 5 (tract's CUDA binary ops merge to rank 5 at most): the block stacks merge
+  chunks and heads into one axis.
+
 It serves what "chunked_unrolled" serves (GDN gates, q/k l2norm in the node), any static S.
 
-tract's optimizer splits an op whose output is read only through slices along one axis into
-one op per piece (seen in its node names, ".split-..-over-.."): slicing the blocks out of A,
-or the first and last chunk out of the chunk maps, turned every batched op above them back
-into one op per block or chunk (649 nodes at S = 4096, 157 of them slices; 497 GPU kernels).
-So here no tensor is read through slices alone: the block inverse works on whole [C, C]
-matrices with masks (T <- T - T A_w T per doubling of the block width), a state pass level
-shifts by a pad of one slice of a tensor that is also read whole, and the final state is
-picked by a [1, n] row. At S = 4096: 264 nodes, 163 GPU kernels. Masked sums over small axes
-were tried for the blocks and are slow on tract's CUDA runtime (reduce_sum_small: 9 of the
-15 ms of kernel time at S = 4096); ranks above 5 fail there (binary ops merge to rank 5).
-
 Measured on an H200 (bench/bench_cuda.py, Qwen3.5 layer core, f16 q/k/v/beta, f32 state,
-State.run with the inputs on the host): 13.2 ms at S = 4096 against 53.4 ms for the native
-CUDA kernel (14.1 for the sliced text before it, same run), 2.24 against 6.82 ms at S = 512;
-relative error 1e-6 against float64. The ~5.9 ms upload of the 50 MB of inputs is in every
-path's time (the native kernel's too); the GPU's own work is ~6.9 ms (GEMMs 1.8, pads and
-copies 2.2, elementwise 1.7).
+State.run with the inputs on the host; bench/RESULTS.md, 20:21 run): S = 4096 in 11.4 ms
+against 56.3 for the native CUDA kernel and 13.8 for the text before (6d8602b: block inverse
+on whole [C, C] matrices, Hillis-Steele prefix of the maps); S = 512 in 1.78 ms against 6.34.
+GPU kernels at S = 4096: 271, 3.41 ms (the text before: 163, 6.9 ms); the rest of the call is
+the upload of the 50 MB of inputs through the driver's pageable staging (~6.5-7.5 ms here,
+the native kernel's call pays it too; 0.95 ms from page-locked host memory, where the call
+takes 4.9 ms against 49.2). Chunks of 64 and 256 and leaves of 8 and 32 were measured too
+(20:00 run): 128 / 16 is within noise of the best.
 """
 
 from __future__ import annotations
@@ -53,18 +63,13 @@ from gdn_fx.lowering.facts import ScanFacts
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
-CONSTANTS = text.CONSTANTS + ("eyek", "bmasks", "first", "lastrow")
-# Chunk sizes measured on an H200 (bench/bench_cuda.py, 18:05 run, State.run): at S = 512
-# 128 is faster (2.24 ms against 2.53 with 64 and 2.51 with 256), at S = 4096 too (13.2 ms
-# against 15.2 with 64 and 15.3 with 256); shorter S take the next power of two (as
-# "chunked_unrolled"), S below 512 chunks of 64 (not measured against 128 there).
+PROLOGUE_CONSTANTS = ("cum", "zero4", "zero3", "scale")
+# Chunk sizes measured on an H200 (bench/bench_cuda.py): see bench/RESULTS.md. Shorter S take
+# the next power of two (as "chunked_unrolled").
 CHUNK = 64
 LONG_CHUNK = 128
 LONG_FROM = 512  # S from which LONG_CHUNK is taken
-# "prefix" (log-depth) or "sequential" (one matmul per chunk; measured with the earlier
-# sliced text only: 13.3 / 16.8 ms at S = 4096 against 12.8 / 14.7 for the prefix, chunks of
-# 128 / 64)
-STATE_PASS = "prefix"
+LEAF = gdn_chunked.LEAF  # the widest diagonal blocks inverted by the product form
 
 
 def chunk_for(seq: int) -> int:
@@ -81,9 +86,9 @@ def chunk_size(seq: int, largest: int) -> int:
 
 
 def check(facts: ScanFacts, target: Target) -> Optional[str]:
-    """Why the batched chunks can not serve this node (None: they can): static S only."""
-    if target.dynamic or facts.seq is None:
-        return "the batched chunks need a static S; the export has symbolic axes"
+    """Why the batched chunks can not serve this node (None: they can): static S and batch."""
+    if target.dynamic or facts.seq is None or facts.batch is None:
+        return "the batched chunks need a static S and batch; the export has symbolic axes"
     return gdn_chunked.shared_reason(facts)
 
 
@@ -93,156 +98,167 @@ def suits(facts: ScanFacts, target: Target) -> Optional[str]:
     if facts.seq == 1:
         return "S = 1 is one step: 'matmul_step' computes it without chunk terms"
     if target.runtime != "cuda":
-        return ("written for the CUDA runtime: on the CPU the sequential chunk pass "
-                "('chunked_unrolled', 'chunked') does log2(chunks) times less state arithmetic")
+        return ("written for the CUDA runtime: on the CPU 'chunked_unrolled' and 'chunked' "
+                "run the same chunk pass with fewer, larger ops")
     return None
 
 
-def chunk_terms_lines() -> list[str]:
-    """Per chunk, batched over all chunks: U, W, q k^T, and the affine map (M, B)."""
-    return ["qkt = mul(matmul(qq, kk, transposeB = true), mul(rqq, rkr));",
-            "tb = mul(tt, br);",
-            "u = matmul(tb, vv);",
-            "w = matmul(mul(tb, mul(egr, rkr)), kk);",
-            "kr = mul(kk, mul(r, rk));",
-            "mm = sub(mul(ac, eyek), matmul(kr, w, transposeA = true));",
-            "bb = matmul(kr, u, transposeA = true);"]
+def widths(chunk: int, leaf: int = LEAF) -> list[int]:
+    """The block widths of the inverse: the leaf (min(leaf, chunk)), doubled up to the chunk."""
+    out = [min(chunk, leaf)]
+    while out[-1] < chunk:
+        out.append(out[-1] * 2)
+    return out
 
 
-def _rows(name: str, begin: int, end: int) -> str:
-    return f"slice({name}, axes = [0], begin = [{begin}], end = [{end}])"
+def constant_names(chunk: int, leaf: int = LEAF) -> tuple[str, ...]:
+    return PROLOGUE_CONSTANTS + ("eyel", "eyek", "delta2", "masko") + tuple(
+        f"mask{b}" for b in widths(chunk, leaf))
 
 
-def _shifted(name: str, shift: int, chunks: int) -> str:
-    """``name`` moved ``shift`` chunks later along axis 0, zeros in front (no concat of
-    pieces: see the module docstring on tract's slice splitting)."""
-    return (f"pad({_rows(name, 0, chunks - shift)}, padding = [({shift}, 0), (0, 0), (0, 0),"
-            " (0, 0), (0, 0)])")
+def _blocks(name: str, source: str, heads: str, chunk: int, width: int, tail: str) -> str:
+    """``source`` [n, M, g, C, x] as block stacks [n M, g, C / width, width, x]."""
+    return (f"{name} = reshape({source}, shape = [-1, {heads}, {chunk // width}, {width},"
+            f" {tail}]);")
 
 
-def block_levels(chunk: int, leaf: int) -> list[int]:
-    """The block widths the inverse doubles through: leaf, 2 leaf, ... below ``chunk``."""
-    widths, width = [], min(chunk, leaf)
-    while width < chunk:
-        widths.append(width)
-        width *= 2
-    return widths
+def inverse_lines(facts: ScanFacts, chunk: int, leaf: int) -> list[str]:
+    """T = (I + A)^-1 for every chunk, by block width doubling on real blocks.
+
+    A_ij = beta_i k_i.k_j e^(gamma_i - gamma_j) / (|k_i| |k_j|) below the diagonal: the
+    block stack of width b is matmul(ks_b, k_b^T) * exp(gamma_i - (gamma_j - log rk_j) +
+    mask_b), with ks = beta rk k (rows) and mask_b the leaf's strict lower triangle (b =
+    leaf) or the lower-left (b/2)-block of each b block (0 there, -inf elsewhere)."""
+    g = facts.groups
+    sizes = widths(chunk, leaf)
+    lines = []
+    for b in sizes:
+        lines += [_blocks(f"kb{b}", "kk", "1", chunk, b, str(facts.dk)),
+                  _blocks(f"ksb{b}", "ks", str(g), chunk, b, str(facts.dk)),
+                  _blocks(f"gcb{b}", "gc", str(g), chunk, b, "1"),
+                  f"grb{b} = reshape(rowa, shape = [-1, {g}, {chunk // b}, 1, {b}]);",
+                  f"ab{b} = mul(matmul(ksb{b}, kb{b}, transposeB = true),"
+                  f" exp(add(sub(gcb{b}, grb{b}), mask{b})));"]
+    first = sizes[0]
+    lines += text.inverse_lines(f"ab{first}", f"tb{first}", first, "eyel", "bi")
+    for b in sizes[1:]:
+        h = b // 2
+        lines += [f"te{b} = reshape(mul(reshape(tb{h}, shape = [-1, 2, {h}, 1, {h}]), delta2),"
+                  f" shape = [-1, {g}, {chunk // b}, {b}, {b}]);",
+                  f"tb{b} = sub(te{b}, matmul(matmul(te{b}, ab{b}), te{b}));"]
+    return lines + [f"tt = reshape(tb{chunk}, shape = [{{n}}, -1, {g}, {chunk}, {chunk}]);"]
 
 
-def block_masks(chunk: int, leaf: int) -> np.ndarray:
-    """[1, 1, levels + 1, C, C]: the leaf blocks' diagonal, then per width w of block_levels
-    the blocks (rows in the second half, columns in the first half of each 2w block)."""
-    rows, cols = np.indices((chunk, chunk))
-    width = min(chunk, leaf)
-    masks = [rows // width == cols // width]
-    for w in block_levels(chunk, leaf):
-        masks.append((rows // (2 * w) == cols // (2 * w)) & (rows // w > cols // w))
-    return np.stack(masks).astype(np.float64)[None, None]
+def chunk_terms_lines(facts: ScanFacts) -> list[str]:
+    """Per chunk, batched over all chunks, each matmul with its operands contracted on their
+    last axis: K^T, V^T, U^T, W^T, the map (M, B^T), L and Q'."""
+    eps = common.literal(common.L2NORM_EPS)
+    return [f"rk = rsqrt(add(sum_reduce(sqr(kk), axes = [4]), {eps}));",
+            "rkr = transpose(rk, axes = [0, 1, 2, 4, 3]);",
+            "rowa = sub(gr, log(rkr));",
+            "ks = mul(kk, mul(bc, rk));",
+            "kt = transpose(kk, axes = [0, 1, 2, 4, 3]);",
+            "vt = transpose(vv, axes = [0, 1, 2, 4, 3]);"]
 
 
-def inverse_part_lines(chunk: int, leaf: int) -> list[str]:
-    """1/|k|, the pair decays E and A as in the sequential form (gdn_chunked_text.py), then
-    T = (I + A)^-1 by blocks, on whole [C, C] matrices with masks (no slices): the leaf
-    blocks' inverse by the product form (A masked to its diagonal leaf blocks is nilpotent
-    of their width), then per doubling of the block width w, T <- T - T A_w T with A_w the
-    lower-left w-blocks of each 2w block (exactly the 2x2 block step, T21 = -T22 A21 T11)."""
-    pairs = text.inverse_part_lines(chunk, chunk)[:5]  # kkt, rk, rkr, e, a
-    assert pairs[-1].startswith("a = "), pairs
-
-    def mask(i: int) -> str:
-        return f"slice(bmasks, axes = [2], begin = [{i}], end = [{i + 1}])"
-
-    lines = pairs + [f"al = mul(a, {mask(0)});",
-                     *text.inverse_lines("al", "tb0", min(chunk, leaf), "eyeh", "bi")]
-    for i, _ in enumerate(block_levels(chunk, leaf)):
-        lines.append(f"tb{i + 1} = sub(tb{i}, matmul(tb{i}, matmul(mul(a, {mask(i + 1)}),"
-                     f" tb{i})));")
-    return lines + [f"tt = copy(tb{len(block_levels(chunk, leaf))});"]
+def map_lines() -> list[str]:
+    return ["ut = matmul(mul(vt, br), tt, transposeB = true);",
+            "wt = matmul(mul(kt, mul(br, mul(egr, rkr))), tt, transposeB = true);",
+            "rr = exp(sub(glast, gr));",
+            "krt = mul(kt, mul(rr, rkr));",
+            "mm = sub(mul(ac, eyek), matmul(krt, wt, transposeB = true));",
+            "bt = matmul(ut, krt, transposeB = true);"]
 
 
-def prefix_lines(chunks: int) -> list[str]:
-    """The inclusive prefix of the chunk maps, S_0 folded into B_0; ``states`` ends holding
-    the state after every chunk. Each level is one batched update of every chunk from the
-    chunks ``shift`` before it (zeros in front: chunks c < shift keep their value, and a
-    span's M that reaches before chunk 0 only ever multiplies those zeros). The last level
-    needs no M."""
-    lines = ["p0 = add(bb, mul(first, matmul(" + _rows("mm", 0, 1)
-             + ", unsqueeze(st0, axes = [0]))));", "m0 = copy(mm);"]
-    shift, level = 1, 0
-    while shift < chunks:
-        m, p = f"m{level}", f"p{level}"
-        lines.append(f"p{level + 1} = add({p}, matmul({m}, {_shifted(p, shift, chunks)}));")
-        if shift * 2 < chunks:
-            lines.append(f"m{level + 1} = matmul({m}, {_shifted(m, shift, chunks)});")
-        shift, level = shift * 2, level + 1
-    return lines + [f"states = copy(p{level});"]
+def pass_lines(facts: ScanFacts, chunks: int) -> list[str]:
+    """The state pass, S^T chunk after chunk: S_{c+1}^T = S_c^T M_c^T + B_c^T, M_c and B_c^T
+    read through slices of views that merge the chunk axis with the heads (so tract does not
+    split their producers); ``sin`` holds the state entering every chunk, ``fin`` the last."""
+    g, dk, dv = facts.groups, facts.dk, facts.dv
+    heads = facts.batch * facts.key_heads
+    lines = ["st0t = transpose(st0, axes = [0, 1, 3, 2]);",
+             f"mmv = reshape(mm, shape = [-1, {g}, {dk}, {dk}]);",
+             f"btv = reshape(bt, shape = [-1, {g}, {dv}, {dk}]);"]
+    state = "st0t"
+    for c in range(chunks):
+        rows = f"axes = [0], begin = [{c * heads}], end = [{(c + 1) * heads}]"
+        lines.append(f"st{c + 1}t = add(matmul({state}, slice(mmv, {rows}), transposeB = true),"
+                     f" slice(btv, {rows}));")
+        state = f"st{c + 1}t"
+    entering = ", ".join(f"st{c}t" for c in range(chunks))
+    sin = f"concat([{entering}], axis = 0)" if chunks > 1 else "st0t"
+    return lines + [f"sin = reshape({sin}, shape = [{chunks}, -1, {g}, {dv}, {dk}]);",
+                    f"fin = transpose({state}, axes = [0, 1, 3, 2]);"]
 
 
-def sequential_lines(chunks: int) -> list[str]:
-    """The same states, one chunk map after the other (one matmul and one add per chunk)."""
-    lines = [f"p0 = add(matmul({_rows('mm', 0, 1)}, unsqueeze(st0, axes = [0])),"
-             f" {_rows('bb', 0, 1)});"]
-    for c in range(1, chunks):
-        lines.append(f"p{c} = add(matmul({_rows('mm', c, c + 1)}, p{c - 1}),"
-                     f" {_rows('bb', c, c + 1)});")
-    return lines + [f"states = concat([{', '.join(f'p{c}' for c in range(chunks))}], axis = 0);"]
-
-
-def output_lines(facts: ScanFacts, chunks: int) -> list[str]:
-    """Every chunk's output from the state entering it, batched; the final state picked by a
-    [1, n] row (a matmul: ``states`` is then read whole as well as through a slice, and a
-    reduction over the chunk axis is slow on tract's CUDA runtime)."""
-    if chunks == 1:
-        entering, fin = "unsqueeze(st0, axes = [0])", "squeeze(states, axes = [0])"
-    else:
-        entering = (f"add({_shifted('states', 1, chunks)},"
-                    " mul(first, unsqueeze(st0, axes = [0])))")
-        fin = (f"reshape(matmul(lastrow, reshape(states, shape = [{chunks}, -1])),"
-               f" shape = [-1, {facts.groups}, {facts.dk}, {facts.dv}])")
-    return [f"sin = {entering};",
-            "d = sub(u, matmul(w, sin));",
-            "oo = add(mul(mul(egc, rqq), matmul(qq, sin)), matmul(mul(qkt, e), d));",
-            f"fin = {fin};"]
+def output_lines() -> list[str]:
+    """O = L U + (Q' - L W) S for every chunk (S the state entering it, as S^T). The
+    operands are in the order tract visits them (its eval order is a depth-first walk from
+    the outputs, inputs in order): L U first reaches q, k and then v, so the three large
+    uploads come before the block inverse and the state pass (v first met in the state pass
+    left the GPU idle during its upload, with those kernels queued behind it)."""
+    return ["qn = mul(qq, rqq);",
+            "lam = mul(matmul(qn, kk, transposeB = true), exp(add(sub(gc, rowa), masko)));",
+            "zz = sub(mul(qn, egc), matmul(lam, wt, transposeB = true));",
+            "oo = add(matmul(lam, ut, transposeB = true), matmul(zz, sin, transposeB = true));"]
 
 
 def definitions(facts: ScanFacts, chunk: int, chunks: int, suffix: str,
-                leaf: int = gdn_chunked.LEAF, state_pass: str = "prefix") -> str:
+                leaf: int = LEAF) -> str:
     """The one fragment of a node configuration (static S: ``chunks`` chunks of ``chunk``)."""
     pad = str(chunks * chunk - facts.seq)
-    passes = prefix_lines if state_pass == "prefix" else sequential_lines
-    main = (text.prepare_lines(facts, chunk, pad, suffix)
-            + inverse_part_lines(chunk, leaf) + chunk_terms_lines()
-            + passes(chunks) + output_lines(facts, chunks) + text.finish_lines(facts))
+    main = (text.prepare_lines(facts, chunk, pad, suffix) + chunk_terms_lines(facts)
+            + [line.replace("{n}", str(chunks)) for line in inverse_lines(facts, chunk, leaf)]
+            + map_lines() + pass_lines(facts, chunks) + output_lines()
+            + text.finish_lines(facts))
     return common.fragment_text(f"gdn_fx_chunked_parallel{suffix}",
-                                ["q", "k", "v", "g", "beta", "s0", *CONSTANTS],
+                                ["q", "k", "v", "g", "beta", "s0",
+                                 *constant_names(chunk, leaf)],
                                 ["out", "final"], main)
 
 
-def constants(facts: ScanFacts, chunk: int, chunks: int) -> dict[str, np.ndarray]:
-    """The helpers this form reads beyond the sequential form's: the [C, C] identity as the
-    leaf identity, the [Dk, Dk] identity, the block masks, the first chunk's mask, the row
-    picking the last chunk."""
-    first, last = np.zeros((chunks, 1, 1, 1, 1)), np.zeros((1, chunks))
-    first[0], last[0, -1] = 1.0, 1.0
-    return dict(eyeh=np.eye(chunk).reshape(1, 1, 1, chunk, chunk),
-                eyek=np.eye(facts.dk).reshape(1, 1, 1, facts.dk, facts.dk),
-                bmasks=block_masks(chunk, gdn_chunked.LEAF), first=first, lastrow=last)
+def block_mask(width: int, leaf: int) -> np.ndarray:
+    """[1, 1, 1, b, b]: 0 where A's block of width b is read, -inf elsewhere: the strict
+    lower triangle at the leaf, the lower-left (b/2)-block above it."""
+    rows, cols = np.indices((width, width))
+    if width <= leaf:
+        keep = rows > cols
+    else:
+        keep = (rows >= width // 2) & (cols < width // 2)
+    return np.where(keep, 0.0, -np.inf).reshape(1, 1, 1, width, width)
+
+
+def constants(facts: ScanFacts, chunk: int, leaf: int = LEAF) -> dict[str, np.ndarray]:
+    """The prologue's helpers (cumulative sums, zeros), the leaf and key identities, the 2x2
+    identity that places two half blocks on a block's diagonal, the causal mask of the
+    output and the block masks of A."""
+    sizes = widths(chunk, leaf)
+    rows, cols = np.indices((chunk, chunk))
+    values = {name: value for name, value in gdn_chunked.constants(chunk, leaf).items()
+              if name in PROLOGUE_CONSTANTS}
+    values.update(eyel=np.eye(sizes[0]).reshape(1, 1, 1, sizes[0], sizes[0]),
+                  eyek=np.eye(facts.dk).reshape(1, 1, 1, facts.dk, facts.dk),
+                  delta2=np.eye(2).reshape(1, 2, 1, 2, 1),
+                  masko=np.where(rows >= cols, 0.0, -np.inf).reshape(1, 1, 1, chunk, chunk))
+    values.update({f"mask{b}": block_mask(b, sizes[0]) for b in sizes})
+    return values
 
 
 def emit(ctx: EmitContext) -> list:
     """Write the batched chunks for one node (static S); returns the fragments it needs."""
     facts = ctx.facts
-    chunk, state_pass = chunk_for(facts.seq), STATE_PASS
+    chunk = chunk_for(facts.seq)
     chunks = -(-facts.seq // chunk)
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work)
-    values = gdn_chunked.constants(chunk, gdn_chunked.LEAF)
-    values.update(constants(facts, chunk, chunks))
+    leaf = LEAF
+    values = constants(facts, chunk, leaf)
     consts = [common.scale_variable(ctx, work) if name == "scale" else
-              common.variable(ctx, name, values[name], work) for name in CONSTANTS]
+              common.variable(ctx, name, values[name], work)
+              for name in constant_names(chunk, leaf)]
     name, frag = common.fragment(
         "gdn_fx_chunked_parallel",
-        lambda suffix: definitions(facts, chunk, chunks, suffix, state_pass=state_pass))
+        lambda suffix: definitions(facts, chunk, chunks, suffix, leaf))
     out = ctx.tensor("out", facts.shapes["v"], work)
     final = ctx.tensor("final_state", facts.shapes["initial_state"], work)
     ctx.apply_multi(name, operands + consts, (out, final))

@@ -55,8 +55,10 @@ CUDA_WIDTH = 128
 CUDA_BATCH = 1
 CUDA_OPERAND_DTYPE = "f16"  # q, k, v, beta
 CUDA_STATE_DTYPE = "f32"  # an f16 state runs on the CPU
-# Static S from which "chunked_parallel" beat the kernel (bench/bench_cuda.py: 0.79x at
-# S = 256, 0.50x at 512; a tie at 128, 1.55x slower at 64).
+# Static S from which "chunked_parallel" beats the kernel (bench/bench_cuda.py, H200, 20:12
+# run of the text with the sequential state pass: 0.625x the kernel's time at S = 256, 0.32x
+# at 512; 1.03x at 128 and 1.24x at 64, slower there; the text before measured 0.85x at 128
+# in one run).
 CUDA_CHUNKED_FROM = 256
 
 

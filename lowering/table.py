@@ -26,7 +26,9 @@ Under tract's CUDA runtime (``Target.runtime == "cuda"``) the candidates are tri
 with f32 gate and state; figures in bench/RESULTS.md):
 - the native operator's CUDA kernel serves decode S = 1 and symbolic S (its CUDA limits are
   its ``device`` check: f16 q/k/v/beta, width 128, batch 1);
-- static S >= 2: "chunked_parallel" (every chunk at once, log-depth state pass);
+- static S >= 2: "chunked_parallel" (every chunk's terms at once, the state pass one matmul
+  per chunk), where the native kernel does not take the node: from S = 256 the kernel's
+  ``suits`` gives way to it (``gdn_native.CUDA_CHUNKED_FROM``);
 - a candidate whose ops tract runs on the CPU there (every ``tract_core_scan``: "chunked",
   "matmul", "scan"; the native operator outside its kernel's limits) is DEMOTED: it is taken
   only when nothing that stays on the GPU accepts the node, and the decision says so (logged

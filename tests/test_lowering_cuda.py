@@ -163,6 +163,34 @@ def test_chunked_parallel_stays_batched(tmp_path, s):
     assert np.isfinite(runnable.run(arrays)[0].to_numpy()).all()
 
 
+@pytest.mark.parametrize("s", [2, 300, 4096])
+def test_chunked_parallel_matmuls_take_operands_contracted_last(s):
+    """tract's CUDA GEMM copies a right operand that is not [.., N, K] (a full-size
+    GpuMoveAxis per matmul, measured on an H200): every matmul of the text is transposeB
+    but the prologue's cumulative sums (a constant right operand) and the block inverse's
+    own products (the leaf's product form, T A T per doubling), and A's blocks come from the
+    keys' own block stacks (no [C, C] mask below the last level)."""
+    import re
+
+    from gdn_fx.lowering import gdn_chunked_parallel as cp
+
+    chunk = cp.chunk_for(s)
+    text = cp.definitions(facts(s=s), chunk, -(-s // chunk), "_t")
+    lines = [line.strip() for line in text.splitlines() if "matmul(" in line]
+    plain = {line.split(" = ")[0]: line.count("matmul(") for line in lines
+             if line.count("matmul(") != line.count("transposeB = true")}
+    sizes = cp.widths(chunk)
+    leaf = 2 * (sizes[0].bit_length() - 2)  # log2(leaf) - 1 squarings and products
+    assert plain.pop("gr") == 1
+    assert sorted(plain) == sorted([f"bip{i + 2}" for i in range(leaf // 2)]
+                                   + [f"bit{i + 1}" for i in range(leaf // 2)]
+                                   + [f"tb{b}" for b in sizes[1:]]), plain
+    assert all(plain[f"tb{b}"] == 2 for b in sizes[1:])
+    for b in sizes:
+        assert f"ab{b} = mul(matmul(ksb{b}, kb{b}, transposeB = true)" in text
+        assert f"kb{b} = reshape(kk, shape = [-1, 1, {chunk // b}, {b}," in text
+
+
 def test_export_records_cpu_fallback_and_runtime(tmp_path):
     module = Fused(16 ** -0.5)
     args = scan_inputs(s=4, hk=2, dk=16, dv=16)
