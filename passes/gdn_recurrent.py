@@ -352,12 +352,14 @@ def _check_leaks(loop: Loop, region: ScanRegion) -> None:
         for node in step.body:
             if node in allowed:
                 continue
-            outside = [u for u in node.users if u not in inside]
-            if outside:
+            outside = next((u for u in node.users if u not in inside), None)
+            if outside is not None:
                 raise NoMatch(f"intermediate value {node.name} of step {step.t} is also read "
-                              f"by {outside[0].name} outside the loop", node=node, step=step.t)
+                              f"by {outside.name} outside the loop", node=node, step=step.t)
+            if not _mutates(node):
+                continue
             target = node.args[0] if node.args else None
-            if _mutates(node) and isinstance(target, fx.Node) and target not in inside and \
+            if isinstance(target, fx.Node) and target not in inside and \
                     any(u not in inside for u in target.users):
                 raise NoMatch(f"{node.name} writes {target.name} in place, which is read "
                               "outside the loop", node=node, step=step.t)

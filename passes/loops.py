@@ -327,13 +327,13 @@ def walk_body(roots: list, t: int, tags: dict, cluster: Cluster):
     Returns (body nodes, reads by group, earlier-step inputs, untagged inputs).
     """
     body, reads, earlier, consts = set(), defaultdict(list), [], []
-    todo, seen = list(roots), set()
+    todo, seen, time_reads = list(roots), set(), cluster.reads
     while todo:
         node = todo.pop()
         if node in seen:
             continue
         seen.add(node)
-        read = cluster.reads.get(node)
+        read = time_reads.get(node)
         if read is not None:
             if read.t != t:
                 raise NoMatch(f"step {t} reads position {read.t} of {read.source.name}",
