@@ -210,7 +210,8 @@ def _draw(node: fx.Node, generator: torch.Generator, scale: float) -> Any:
         return value
     sizes = [int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in value.shape]
     if value.dtype.is_floating_point:
-        return (scale * torch.randn(sizes, generator=generator)).to(value.dtype)
+        # scaled in place: the same values as scale * randn, without a second tensor
+        return torch.randn(sizes, generator=generator).mul_(scale).to(value.dtype)
     if value.dtype == torch.bool:
         return torch.ones(sizes, dtype=torch.bool)
     return torch.zeros(sizes, dtype=value.dtype)
