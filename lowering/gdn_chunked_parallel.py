@@ -48,7 +48,11 @@ GPU kernels at S = 4096: 271, 3.41 ms (the text before: 163, 6.9 ms); the rest o
 the upload of the 50 MB of inputs through the driver's pageable staging (~6.5-7.5 ms here,
 the native kernel's call pays it too; 0.95 ms from page-locked host memory, where the call
 takes 4.9 ms against 49.2). Chunks of 64 and 256 and leaves of 8 and 32 were measured too
-(20:00 run): 128 / 16 is within noise of the best.
+(20:00 run): 128 / 16 is within noise of the best. Computing only the lower-left block
+X = T_22 A_21 T_11 at the last inverse level ([C/2, C/2] products on slices of the h-block
+stacks, no [C, C] A or T A T) was measured too (20:36 run): kernels 3.44 -> 3.21 ms at S =
+4096 but 6 more launches, and the call no faster (S = 4096 10.54 vs 10.44 ms, S = 512 2.20
+vs 1.98, same rotation): not kept (docs/FACTS.md).
 """
 
 from __future__ import annotations
