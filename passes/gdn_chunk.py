@@ -12,8 +12,6 @@ where the graph writes in place, the same order of operations.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import fx
 
