@@ -32,6 +32,7 @@ SCRIPTS = (
     ("moe", "bench_moe.py"),
     ("gdn_fast", "bench_gdn_fast.py"),
     ("generate", "bench_generate.py"),
+    ("upper_state", "bench_upper_state.py"),
 )
 
 
