@@ -89,7 +89,8 @@ def fragment_text(kernel: int, bias: bool, silu: bool, depthwise: bool = False) 
     body += _depthwise_lines(kernel) if depthwise else _taps_lines(kernel)
     pre = "acc"
     if bias:
-        body.append(f"biased = add({pre}, unsqueeze(bias, axes = {[0, 2] if depthwise else [0, 1]}));")
+        channel_row = [0, 2] if depthwise else [0, 1]  # the bias along the channel axis
+        body.append(f"biased = add({pre}, unsqueeze(bias, axes = {channel_row}));")
         pre = "biased"
     body.append(f"out = mul({pre}, sigmoid({pre}));" if silu else f"out = copy({pre});")
     body.append(f"new_state = slice(kept, axes = [{time}], begin = [n - {kernel}], end = [n]);")
