@@ -94,23 +94,27 @@ def gated_delta_scan(
 
 class _Switch(threading.local):
     on = False
+    chunks = True
 
 
 FAST_KERNEL = _Switch()
+CHUNK = 64  # tokens per block of the chunked kernel
 
 
 @contextlib.contextmanager
-def fast_scan_kernel():
-    """Within this block the eager gated_delta_scan runs ``_scan_fast``: the same steps with
-    matmul readouts and in-place state updates (no [Dk, Dv] temporaries), equal up to
-    rounding. The default kernel is ``_scan_math``, bit-identical to transformers' recurrent
-    rule (what reify's exact mode promises); translation validation, which compares within
-    a tolerance and runs the op on every fusion, uses this one."""
-    before, FAST_KERNEL.on = FAST_KERNEL.on, True
+def fast_scan_kernel(chunks: bool = True):
+    """Within this block the eager gated_delta_scan runs ``_scan_fast``, equal to the
+    definition up to rounding: with a scalar gate (GDN) and ``chunks``, the chunked form
+    (matmuls over blocks of CHUNK tokens), else the same steps with matmul readouts and
+    in-place state updates. The default kernel is ``_scan_math``, bit-identical to
+    transformers' recurrent rule (what reify's exact mode promises); translation validation,
+    which compares within a tolerance and runs the op on every fusion, uses this one."""
+    before = FAST_KERNEL.on, FAST_KERNEL.chunks
+    FAST_KERNEL.on, FAST_KERNEL.chunks = True, chunks
     try:
         yield
     finally:
-        FAST_KERNEL.on = before
+        FAST_KERNEL.on, FAST_KERNEL.chunks = before
 
 
 def _scan_fast(q, k, v, g, beta, initial_state, *, scale, qk_l2norm):
@@ -121,16 +125,57 @@ def _scan_fast(q, k, v, g, beta, initial_state, *, scale, qk_l2norm):
     groups = v.shape[2] // q.shape[2]
     q2 = q2.repeat_interleave(groups, dim=2) * scale
     k2 = k2.repeat_interleave(groups, dim=2)
-    decay = g2.exp() if g2.dim() == 4 else g2.exp().unsqueeze(-1)  # [B, T, H, Dk or 1]
     state = initial_state.to(work).clone()
-    out = v2.new_empty(v2.shape)
+    if g2.dim() == 3 and FAST_KERNEL.chunks:
+        out, state = _chunks(q2, k2, v2, g2, b2, state)
+    else:
+        out = _steps(q2, k2, v2, g2, b2, state)
+    return out.to(scan_out_dtype(q, initial_state)), state.to(initial_state.dtype)
+
+
+def _steps(q, k, v, g, beta, state):
+    """The recurrence step by step on [B, T, H, D] operands; updates ``state`` in place."""
+    decay = g.exp() if g.dim() == 4 else g.exp().unsqueeze(-1)  # [B, T, H, Dk or 1]
+    out = v.new_empty(v.shape)
     for t in range(v.shape[1]):
         state.mul_(decay[:, t].unsqueeze(-1))
-        kv = (k2[:, t].unsqueeze(-2) @ state).squeeze(-2)
-        delta = (v2[:, t] - kv) * b2[:, t].unsqueeze(-1)
-        state.addcmul_(k2[:, t].unsqueeze(-1), delta.unsqueeze(-2))
-        out[:, t] = (q2[:, t].unsqueeze(-2) @ state).squeeze(-2)
-    return out.to(scan_out_dtype(q, initial_state)), state.to(initial_state.dtype)
+        kv = (k[:, t].unsqueeze(-2) @ state).squeeze(-2)
+        delta = (v[:, t] - kv) * beta[:, t].unsqueeze(-1)
+        state.addcmul_(k[:, t].unsqueeze(-1), delta.unsqueeze(-2))
+        out[:, t] = (q[:, t].unsqueeze(-2) @ state).squeeze(-2)
+    return out
+
+
+def _chunks(q, k, v, g, beta, state):
+    """The recurrence with a scalar gate, CHUNK tokens at a time; returns (out, final state).
+
+    Within a block, with c_t the cumulative log gate from its start and S the state before
+    it, the deltas U solve (I + L) U = beta (V - e^c K S), L[t, j] = beta_t e^(c_t - c_j)
+    k_t.k_j (j < t); the outputs are e^c Q S + (Q K^T * e^(c_t - c_j), j <= t) U. Every decay
+    is a ratio e^(c_t - c_j) with j <= t, the product of the gates between, as the steps
+    multiply them, so nothing grows that the steps do not grow.
+    """
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, H, T, D]: each
+    # block's rows are whole matrices for the matmuls
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, H, T]
+    out = v.new_empty(v.shape)
+    for s in range(0, v.shape[2], CHUNK):
+        qc, kc, vc = (x[:, :, s:s + CHUNK] for x in (q, k, v))
+        c, bc = g[:, :, s:s + CHUNK].cumsum(-1), beta[:, :, s:s + CHUNK]
+        n = c.shape[-1]
+        later = torch.ones(n, n, dtype=torch.bool, device=c.device).triu(1)
+        decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()
+        grow = c.exp().unsqueeze(-1)  # [B, H, n, 1]
+        mix = bc.unsqueeze(-1) * (kc @ kc.transpose(-1, -2)) * decay
+        eye = torch.eye(n, dtype=c.dtype, device=c.device)
+        rhs = bc.unsqueeze(-1) * (vc - (grow * kc) @ state)
+        deltas = torch.linalg.solve_triangular(mix.tril(-1) + eye, rhs, upper=False,
+                                               unitriangular=True)
+        reads = (qc @ kc.transpose(-1, -2)) * decay
+        out[:, :, s:s + CHUNK] = (grow * qc) @ state + reads @ deltas
+        tail = (c[..., -1:] - c).exp().unsqueeze(-1)  # e^(c_last - c_j)
+        state = grow[:, :, -1:] * state + (tail * kc).transpose(-1, -2) @ deltas
+    return out.transpose(1, 2).contiguous(), state
 
 
 @gated_delta_scan.register_fake

@@ -126,8 +126,10 @@ def weight_seeds(graph: fx.Graph, claimed: frozenset = frozenset()) -> list:
     (by an earlier collapse, or by the structural rule's plans on ``claimed`` convs)."""
     seeds = []
     for node in graph.nodes:
+        if not _is_leaf(node):
+            continue
         dims = shape(node)
-        if not _is_leaf(node) or not _static(dims) or dtype(node) not in FLOATS:
+        if not _static(dims) or dtype(node) not in FLOATS:
             continue
         if not (len(dims) == 2 or len(dims) == 3 and dims[1] == 1):
             continue

@@ -149,20 +149,23 @@ def test_opcheck_catches_a_wrong_fake_kernel():
         del lib
 
 
-@pytest.mark.parametrize("kda, groups, l2norm", [(False, 1, True), (True, 2, False), (False, 2, False)])
-def test_the_fast_eager_kernel_computes_the_reference(kda, groups, l2norm):
+@pytest.mark.parametrize("kda, groups, l2norm, t, chunks", [
+    (False, 1, True, 9, True), (True, 2, False, 9, True), (False, 2, False, 9, True),
+    (False, 2, True, 150, True),  # blocks of 64, 64 and 22 tokens (ops.CHUNK = 64)
+    (False, 1, False, 70, False)])  # step by step (what validation falls back to)
+def test_the_fast_eager_kernel_computes_the_reference(kda, groups, l2norm, t, chunks):
     """The kernel translation validation runs agrees with the float64 reference."""
     from gdn_fx.ops import fast_scan_kernel
     from gdn_fx.reference import l2norm as norm, recurrent_delta_rule_reference
 
     gen = torch.Generator().manual_seed(3)
-    b, t, hk, dk, dv = 2, 9, 2, 5, 3
+    b, hk, dk, dv = 2, 2, 5, 3
     hv = hk * groups
     q, k = (torch.randn(b, t, hk, dk, generator=gen) for _ in range(2))
     v = torch.randn(b, t, hv, dv, generator=gen)
     g = -torch.rand(b, t, hv, *((dk,) if kda else ()), generator=gen)
     beta, s0 = torch.rand(b, t, hv, generator=gen), torch.randn(b, hv, dk, dv, generator=gen)
-    with fast_scan_kernel():
+    with fast_scan_kernel(chunks):
         out, final = torch.ops.gdn_fx.gated_delta_scan(q, k, v, g, beta, s0, scale=0.4,
                                                        qk_l2norm=l2norm)
     q64, k64 = (norm(x.double()) if l2norm else x.double() for x in (q, k))

@@ -82,6 +82,25 @@ def test_a_rewrite_that_swaps_operands_is_rolled_back(monkeypatch, form):
     assert _error(checked.program, module) < 1e-6
 
 
+def test_the_step_by_step_kernel_has_the_last_word(monkeypatch):
+    """Validation runs gated_delta_scan chunked; when that disagrees (here: a chunked form
+    broken on purpose), the verdict is the step-by-step kernel's, so a right fusion stays."""
+    import gdn_fx.ops as ops
+
+    module = TwoLoops()
+    program = export_form(module, _inputs(), "training")
+    real, calls = ops._chunks, []
+
+    def off(q, k, v, g, beta, state):
+        calls.append(1)
+        out, final = real(q, k, v, g, beta, state)
+        return out + 1, final
+    monkeypatch.setattr(ops, "_chunks", off)
+    result = gdn_fx.collapse(program)
+    assert calls and result.counts["gated_delta_scan"] == 2 and not result.misses
+    assert _error(result.program, module) < 1e-6
+
+
 def test_only_the_wrong_fusion_is_rolled_back(monkeypatch):
     module = TwoLoops()
     program = export_form(module, _inputs(), "training")
