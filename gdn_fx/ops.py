@@ -123,8 +123,9 @@ def _scan_fast(q, k, v, g, beta, initial_state, *, scale, qk_l2norm):
     if qk_l2norm:
         q2, k2 = l2norm(q2), l2norm(k2)
     groups = v.shape[2] // q.shape[2]
-    q2 = q2.repeat_interleave(groups, dim=2) * scale
-    k2 = k2.repeat_interleave(groups, dim=2)
+    if groups > 1:
+        q2, k2 = q2.repeat_interleave(groups, dim=2), k2.repeat_interleave(groups, dim=2)
+    q2 = q2 * scale
     state = initial_state.to(work).clone()
     if g2.dim() == 3 and FAST_KERNEL.chunks:
         out, state = _chunks(q2, k2, v2, g2, b2, state)
