@@ -352,8 +352,8 @@ def _check_leaks(loop: Loop, region: ScanRegion) -> None:
         for node in step.body:
             if node in allowed:
                 continue
-            outside = next((u for u in node.users if u not in inside), None)
-            if outside is not None:
+            if not inside.issuperset(node.users):  # (the test per user, in C)
+                outside = next(u for u in node.users if u not in inside)
                 raise NoMatch(f"intermediate value {node.name} of step {step.t} is also read "
                               f"by {outside.name} outside the loop", node=node, step=step.t)
             if not _mutates(node):

@@ -48,8 +48,8 @@ class Outcome:
     nearest: Optional[Layout] = None  # the layout closest to the body, when none fits
 
 
-def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.GraphModule:
-    """The step as a module: (state, one value per group in ``groups``) -> (S', o)."""
+def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.Graph:
+    """The step as a graph: (state, one value per group in ``groups``) -> (S', o)."""
     graph = fx.Graph()
     env = {step.state_in: graph.placeholder("state")}
     group_inputs = {g: graph.placeholder(f"read_{i}") for i, g in enumerate(groups)}
@@ -71,7 +71,7 @@ def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.GraphModule:
         env[node] = graph.node_copy(node, lambda n: env[n])
     results = (env[final] if final is not None else None, env[step.out])
     graph.output(results)
-    return fx.GraphModule(step.state_in.graph.owning_module or torch.nn.Module(), graph)
+    return graph
 
 
 def evaluable(node: fx.Node, depth: int = 0) -> bool:
@@ -121,8 +121,9 @@ def _has_tensor(value) -> bool:
 
 
 def _draw(like, gen: torch.Generator) -> torch.Tensor:
-    """Uniform in [-1, 1]: both signs, so a clamp, an abs or a missing exp shows."""
-    return torch.rand(tuple(like.shape), generator=gen, dtype=torch.float64) * 2 - 1
+    """Uniform in [-1, 1]: both signs, so a clamp, an abs or a missing exp shows. Drawn in
+    float32 (half the generator's work), exact in float64."""
+    return (torch.rand(tuple(like.shape), generator=gen) * 2 - 1).double()
 
 
 def decide(step, final: Optional[fx.Node], groups: list,
@@ -131,7 +132,8 @@ def decide(step, final: Optional[fx.Node], groups: list,
 
     ``expect`` (the layout of the steps around it) is tried first; the others only when it
     does not fit and ``search`` (to find the nearest, for the near-miss)."""
-    module = body_graph(step, final, groups)
+    graph = body_graph(step, final, groups)  # run as it is: a GraphModule would compile it
+    owner = step.state_in.graph.owning_module or torch.nn.Module()
     state = val(step.state_in)
     reads = [_read_shape(g) for g in groups]
     candidates = list(layouts_for(shape(step.state_in), groups, shape(step.out)))
@@ -144,7 +146,7 @@ def decide(step, final: Optional[fx.Node], groups: list,
     def point():
         s0 = _draw(state, gen)
         ins = [_draw(torch.empty(dims), gen) for dims in reads]
-        return s0, ins, Float64(module).run(s0.clone(), *[x.clone() for x in ins])
+        return s0, ins, Float64(owner, graph=graph).run(s0.clone(), *[x.clone() for x in ins])
 
     points = [point()]
     if expect is not None:  # one point: the scale must come out as the expected one
