@@ -159,6 +159,27 @@ def test_compare_programs_says_why_two_programs_differ():
     assert reason is not None and "output 0" in reason
 
 
+@pytest.mark.parametrize("writer", ["original", "rewritten"])
+def test_an_input_written_by_one_program_only_is_a_difference(writer):
+    """Inputs go to a program uncopied only when it cannot write them; a write that one of
+    the two programs makes and the other does not shows as that input after the run."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def writes(x, y):
+        x.add_(1.0)
+        return x * y
+
+    def pure(x, y):
+        return (x + 1.0) * y
+
+    args = (torch.randn(3, 4), torch.randn(3, 4))
+    a, b = make_fx(writes)(*args), make_fx(pure)(*args)
+    first, second = (a, b) if writer == "original" else (b, a)
+    reason = gdn_fx.compare_programs(first, second)
+    assert reason is not None and "after the run" in reason
+    assert gdn_fx.compare_programs(a, a) is None and gdn_fx.compare_programs(b, b) is None
+
+
 def test_a_program_that_fails_on_probe_inputs_is_left_alone():
     class Picky(TwoLoops):
         def forward(self, q, k, v, g, beta, s0):
