@@ -141,7 +141,8 @@ class Validator:
 
     def _run(self, module: fx.GraphModule, chunks: bool = True) -> list:
         """What the program hands out, as (label, tensor): its outputs, then each input
-        (cloned) after the run. ``chunks``: whether gated_delta_scan may run chunked."""
+        after the run (a copy, unless the program cannot write: ``_may_write``).
+        ``chunks``: whether gated_delta_scan may run chunked."""
         writes = _may_write(module.graph)
         args = [a.clone() if writes and isinstance(a, torch.Tensor) and n.name not in self.fixed
                 else a for n, a in zip(self.placeholders, self.inputs)]
