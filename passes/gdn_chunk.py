@@ -18,7 +18,7 @@ from torch import fx
 from gdn_fx.passes.chunk_templates import PADS, ChunkShape, chunk_template, template_scale
 from gdn_fx.passes.match import Match, match_at, op_name, order_problem, outside_users
 from gdn_fx.passes.operands import scan_operands
-from gdn_fx.passes.program import fake_mode_of, shape
+from gdn_fx.passes.program import fake_mode_of, mutates, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.rule_kinds import kind_of_chunked_gate
@@ -167,7 +167,7 @@ def _final_state(match: Match):
     if not match.missing:
         return match.nodes[state]
     needed_by_out = _ancestors(match.pattern.outputs["out"])
-    required = [p for p in match.missing if p in needed_by_out or _mutates(p)]
+    required = [p for p in match.missing if p in needed_by_out or mutates(p)]
     if required or state not in match.missing:
         node = required[0] if required else match.missing[0]
         raise NoMatch(f"no node computes the template's {op_name(node.target)} ({node.name})")
@@ -182,8 +182,3 @@ def _ancestors(node: fx.Node) -> set:
             seen.add(current)
             todo.extend(current.all_input_nodes)
     return seen
-
-
-def _mutates(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)

@@ -28,7 +28,7 @@ from gdn_fx.passes.layouts import Plan, plan_operands
 from gdn_fx.passes.loop_outputs import gather
 from gdn_fx.passes.loops import (Cluster, Loop, Step, cut_steps, descendants_in, find_clusters,
                                  state_like, step_candidates, tag_window, walk_body)
-from gdn_fx.passes.program import fake_mode_of, is_pure, shape
+from gdn_fx.passes.program import fake_mode_of, is_pure, mutates, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
@@ -356,15 +356,10 @@ def _check_leaks(loop: Loop, region: ScanRegion) -> None:
                 outside = next(u for u in node.users if u not in inside)
                 raise NoMatch(f"intermediate value {node.name} of step {step.t} is also read "
                               f"by {outside.name} outside the loop", node=node, step=step.t)
-            if not _mutates(node):
+            if not mutates(node):
                 continue
             target = node.args[0] if node.args else None
             if isinstance(target, fx.Node) and target not in inside and \
                     any(u not in inside for u in target.users):
                 raise NoMatch(f"{node.name} writes {target.name} in place, which is read "
                               "outside the loop", node=node, step=step.t)
-
-
-def _mutates(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)

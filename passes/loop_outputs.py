@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.program import shape
+from gdn_fx.passes.program import mutates, shape
 from gdn_fx.passes.result import NoMatch
 
 ATEN = torch.ops.aten
@@ -106,7 +106,7 @@ def _in_place(outs: list[fx.Node], order: dict) -> Gathered:
     if early:
         raise NoMatch(f"{early[0].name} reads the output buffer before the loop has filled it",
                       node=early[0])
-    mutating = [u for u in buf.users if u not in erased and _mutates(u)]
+    mutating = [u for u in buf.users if u not in erased and mutates(u)]
     if mutating:
         raise NoMatch(f"{mutating[0].name} writes the output buffer after the loop",
                       node=mutating[0])
@@ -140,11 +140,6 @@ def _check_fresh(buf: fx.Node) -> None:
         raise NoMatch(f"the loop writes its outputs through {buf.name} "
                       f"({getattr(node.target, '__name__', node.target)}), a view of another "
                       "tensor; the fused node would not write that tensor", node=buf)
-
-
-def _mutates(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
 
 
 def _check_buffer(buf: fx.Node, axis: int, length: int) -> None:

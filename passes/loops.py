@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.program import dtype, shape
+from gdn_fx.passes.program import dtype, mutates, shape
 from gdn_fx.passes.result import NoMatch
 
 ATEN = torch.ops.aten
@@ -104,14 +104,9 @@ def _is_write_target(node: fx.Node) -> bool:
     for user in node.users:
         if not user.args or user.args[0] is not node:
             return False
-        if user.target not in WRITES and not _mutates(user):
+        if user.target not in WRITES and not mutates(user):
             return False
     return True
-
-
-def _mutates(user: fx.Node) -> bool:
-    schema = getattr(user.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
 
 
 @dataclass

@@ -78,6 +78,12 @@ def add_node(graph: fx.Graph, target: Callable, args: tuple, kwargs: Optional[di
     return node
 
 
+def mutates(node: fx.Node) -> bool:
+    """A call whose op's schema says it writes one of its arguments in place."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
 def is_pure(node: fx.Node) -> bool:
     """A call that only computes its value: an aten op without side effects, or a Python
     operator on sizes. Anything else (torch.vmap's nesting calls, higher-order ops, ...) may

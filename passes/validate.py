@@ -26,6 +26,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 
 from gdn_fx.ops import fast_scan_kernel
+from gdn_fx.passes.program import mutates
 from gdn_fx.passes.rebuild import Fusion, rebuild
 from gdn_fx.passes.result import Miss
 
@@ -183,8 +184,7 @@ def _may_write(graph: fx.Graph) -> bool:
             return True
         if node.target is operator.getitem:
             continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or schema.is_mutable:
+        if getattr(node.target, "_schema", None) is None or mutates(node):
             return True
     return False
 
