@@ -69,6 +69,22 @@ def test_a_prompt_fed_in_chunks_generates_what_transformers_generates(tmp_path):
         assert found.ok, f"chunks of {chunk}: {found}"
 
 
+def test_caches_go_back_in_as_tract_tensors_unchanged(tmp_path):
+    # The Generator feeds each call's output Tensors to the next call as they are (no numpy
+    # round trip): that is right only while tract neither consumes nor writes its inputs.
+    model = tiny_model("qwen3_5")
+    files = export_generator(model, tmp_path / "q.nnef.tgz")
+    generator = Generator(files.main, files.decode)
+    ids = np.array([_prompt(9)], dtype=np.int64)
+    _, caches = generator.step(generator.main, ids, generator.zero_states)
+    before = [c.to_numpy() for c in caches]
+    token = np.array([[int(ids[0, 0])]], dtype=np.int64)
+    from_tensors, _ = generator.step(generator.decode, token, caches)
+    from_arrays, _ = generator.step(generator.decode, token, before)
+    assert all(np.array_equal(c.to_numpy(), b) for c, b in zip(caches, before))
+    assert np.array_equal(from_tensors, from_arrays)
+
+
 def test_the_automatic_prefill_chunk_follows_the_widest_projection(tmp_path):
     # Widest inner dimension from the model's own Linear layers, not from the NNEF text.
     model = tiny_model("qwen3_5")
