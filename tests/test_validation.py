@@ -180,6 +180,22 @@ def test_an_input_written_by_one_program_only_is_a_difference(writer):
     assert gdn_fx.compare_programs(a, a) is None and gdn_fx.compare_programs(b, b) is None
 
 
+def test_a_program_with_a_forward_hook_runs_through_it():
+    """Programs are run through their generated code with the ops called directly; a module
+    with a hook must still be run as a module, or what the hook does would not be compared."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, y):
+        return x * y + 1.0
+
+    args = (torch.randn(3, 4), torch.randn(3, 4))
+    plain, hooked = make_fx(f)(*args), make_fx(f)(*args)
+    hooked.register_forward_pre_hook(lambda module, inputs: (inputs[0] * 2.0, inputs[1]))
+    assert gdn_fx.compare_programs(plain, make_fx(f)(*args)) is None
+    reason = gdn_fx.compare_programs(plain, hooked)
+    assert reason is not None and "output 0" in reason
+
+
 def test_a_program_that_fails_on_probe_inputs_is_left_alone():
     class Picky(TwoLoops):
         def forward(self, q, k, v, g, beta, s0):
