@@ -1,11 +1,11 @@
 """The lowering's one entry point: a program with fused gdn_fx nodes -> an NNEF file.
 
 ``write_nnef`` owns the sequence, in this order: make the program traceable by torch-to-nnef
-(t2n/program.py), refuse what tract cannot run right (bfloat16; dynamic axes the program cannot
-follow, t2n/dynamic_axes.py), apply the fixes (t2n/fixes.py), plan one candidate per fused node
-(plan.py over table.py), turn the fused nodes into bridge ops that carry their candidate
-(t2n/bridge.py), and trace and write with torch-to-nnef, whose extension handlers
-(t2n/plugin.py) emit each candidate.
+(t2n/program.py), refuse what tract cannot run right (loops kept as one higher-order node;
+bfloat16; dynamic axes the program cannot follow, t2n/dynamic_axes.py), apply the fixes
+(t2n/fixes.py), plan one candidate per fused node (plan.py over table.py), turn the fused
+nodes into bridge ops that carry their candidate (t2n/bridge.py), and trace and write with
+torch-to-nnef, whose extension handlers (t2n/plugin.py) emit each candidate.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from gdn_fx.errors import ExportRefused, UsageError
+from gdn_fx.errors import ExportRefused, LoweringUnsupported, UsageError
 from gdn_fx.lowering.plan import fallbacks, plan, summary
 from gdn_fx.lowering.t2n import program as prog
 from gdn_fx.lowering.t2n.bridge import to_bridge
@@ -32,6 +32,7 @@ from gdn_fx.lowering.t2n.unused_inputs import (declare_unused, drop_unused, rewr
                                                unused_inputs)
 from gdn_fx.lowering.t2n.weights import apply_weights, check_format
 from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE, RUNTIME_ATTRIBUTE, Target, check_runtime
+from gdn_fx.passes.hop import describe, loop_hops
 
 PLUGIN = "gdn_fx.lowering.t2n.plugin"
 
@@ -55,6 +56,7 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
     # and its static sizes then stay what they are (a decode graph's S = 1 beside a symbolic P).
     target = Target.parse(tract_version, dynamic=bool(frozen_axes(module, dynamic_axes, names)),
                           runtime=runtime)
+    _refuse_loop_hops(module)
     prog.refuse_bfloat16(module)
     moe, choose = split_choice(choose)  # choose["transformers_moe"], not a table entry
     if moe == FUSED:  # before the fixes: what is left of a block becomes plain ops (moe.py)
@@ -68,6 +70,18 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
     return _write(module, writer_path, compression, target, dynamic_axes, decisions,
                   names, list(output_names) if output_names else None, symbol_min or {},
                   stored.summary())
+
+
+def _refuse_loop_hops(module) -> None:
+    """A loop kept as one higher-order node (torch's ``scan``, ``while_loop``): torch-to-nnef
+    traces with torch.jit, which has no kernel for it and fails deep inside its trace."""
+    found = loop_hops(module.graph)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise LoweringUnsupported(
+            f"{describe(found[0])}{more}: a loop kept as one higher-order node, which no gdn_fx "
+            "rule fused and torch-to-nnef cannot trace; write the loop in Python (torch.export "
+            "unrolls it and gdn_fx.collapse fuses it) or call gdn_fx's ops directly")
 
 
 def _writer_settings(path: Path) -> tuple[Path, Optional[int]]:
