@@ -20,7 +20,19 @@ Refused (GeneralizeRefused, naming the node): programs whose nodes differ betwee
 branch on the length, e.g. transformers' ``S == 1`` decode branch: trace at S >= 2 and the
 multi-token branch serves S = 1 too where it carries the states), literals that fit no affine
 form, a float literal or a constant tensor that changes with the length, a loop left unrolled
-(its node count grows with S).
+(its node count grows with S), and a window (see below).
+
+Windows. A model that keeps the last W positions (a sliding-window attention, a rolling cache)
+computes the same thing at every traced length shorter than W, and another thing past it. By
+structure: a slice whose literal bound lies beyond the extent it slices at a traced point, on
+an axis that follows the lengths (``x[:, :, -W:]`` of a cache never as long as W), is refused
+naming the node and W. By running: the generic program is checked against ``trace`` called at
+one more point, whose S + P lies past every integer literal of the graph that may be a length
+(slice bounds, integer scalars of comparisons and of arithmetic on integer tensors such as
+positions, ``arange`` and ``full`` arguments) and past ``FAR_MIN``; a window the trace hid
+from the graph (``min(P, W)`` computed in Python) shows there. A mask built from a constant
+and the positions (transformers' sliding-window mask over a cache that keeps every token)
+computes the window in the graph itself, generic in S and P: it passes that check.
 """
 
 from __future__ import annotations
@@ -42,6 +54,11 @@ from gdn_fx.errors import GeneralizeRefused, UsageError
 # P >= 2 everywhere: torch.export specializes sizes of 0 and 1, and transformers branches
 # on S == 1.
 DEFAULT_POINTS = ((3, 4), (5, 4), (3, 7), (6, 9))
+# The far point of the check lies past this S + P and past every length-like literal: a window
+# the trace spelled in Python (no literal left in the graph) shows only when it is reached.
+FAR_MIN = 512
+# Integer literals above this are sentinels (a slice end of 2**63 - 1), not lengths.
+LENGTH_CAP = 1 << 20
 Point = tuple[int, int]
 Affine = tuple[int, int, int]  # (a, b, c): a*S + b*P + c
 SYMBOLS = ("S", "P")
@@ -72,6 +89,7 @@ class Generalized:
     points: tuple = ()
     counts: dict = field(default_factory=dict)  # fused nodes (gdn_fx.collapse counts)
     example_inputs: tuple = ()  # the base point's inputs (flat)
+    far: Optional[Point] = None  # the point past every length-like literal it was checked at
 
     def dynamic_axes(self, input_names: Optional[Sequence[str]] = None) -> dict:
         """``dynamic_axes`` for export_nnef, keyed by ``input_names`` (NNEF names, in input
@@ -145,14 +163,18 @@ def generalize(trace: Callable[[int, int], Any], points: Sequence[Point] = DEFAU
     inputs = [_flat_inputs(p) for p in programs]
     axes = _input_axes(modules[0], inputs, points)
     sites = _align(modules, points)
+    _refuse_windows(modules, points, sites)
+    lengths = length_literals(modules[0].graph, sites)
     _substitute(modules[0], sites, axes)
     args, kwargs = programs[0].example_inputs
     generic = _reexport(modules[0], args, kwargs, axes)
+    far = far_point(points, lengths)
     if verify:
         _verify(generic, programs[-1], points[-1])
+        _verify_far(generic, trace, far, lengths)
     names = [n.name for n in _placeholders(modules[0])]
     return Generalized(generic, names, {names[i]: a for i, a in axes.items()}, sites,
-                       tuple(points), counts, tuple(inputs[0]))
+                       tuple(points), counts, tuple(inputs[0]), far if verify else None)
 
 
 # --- points, inputs and the affine fit ------------------------------------------------------
@@ -346,6 +368,102 @@ def _node_sites(node: fx.Node, peers: list, points: list) -> list:
     return found
 
 
+# --- windows --------------------------------------------------------------------------------
+
+# Ops whose integer scalars, on integer or boolean tensors (positions, masks), may be lengths.
+POSITION_OPS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "add", "sub", "rsub", "mul",
+                          "clamp", "clamp_min", "clamp_max", "remainder", "floor_divide"})
+# Ops whose size arguments may be lengths: (op, index of the argument holding the sizes).
+SIZE_ARGS = {"full": 0, "zeros": 0, "ones": 0, "empty": 0, "new_full": 1, "new_zeros": 1,
+             "new_ones": 1, "new_empty": 1}
+
+
+def _opname(node: fx.Node) -> str:
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet.__name__ if packet is not None else ""
+
+
+def _is_int(leaf: Any) -> bool:
+    return isinstance(leaf, int) and not isinstance(leaf, bool) and 0 < abs(leaf) < LENGTH_CAP
+
+
+def _slice_extents(node: fx.Node) -> Optional[int]:
+    """The extent a slice node cuts along its axis (None when unknown or symbolic)."""
+    source = node.args[0] if node.args else None
+    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    dim = node.args[1] if len(node.args) > 1 else 0
+    if not isinstance(val, torch.Tensor) or not isinstance(dim, int):
+        return None
+    extent = val.shape[dim]
+    return extent if isinstance(extent, int) else None
+
+
+def _refuse_windows(modules: list, points: list, sites: list) -> None:
+    """A slice whose literal bound W lies beyond the extent it cuts for some lengths but not
+    for others: ``x[:, :, -W:]`` keeps everything while S + P < W and the last W past it.
+    The extent is fitted as a*S + b*P + c over the points (the shortest is a + c, at S = 1,
+    P = 0); a bound above it makes the program's meaning change with the lengths."""
+    made = {(site.node, site.path) for site in sites}
+    graphs = [list(m.graph.nodes) for m in modules]
+    for position, node in enumerate(graphs[0]):
+        if node.op != "call_function" or _opname(node) != "slice":
+            continue
+        extents = [_slice_extents(g[position]) for g in graphs]
+        affine = None if None in extents else fit_affine(points, extents)
+        if affine is None or affine[:2] == (0, 0) or min(affine[:2]) < 0:
+            continue
+        shortest = affine[0] + affine[2]
+        for index in (2, 3):
+            bound = node.args[index] if len(node.args) > index else None
+            if (node.name, ((0, index))) in made or not _is_int(bound) or abs(bound) <= shortest:
+                continue
+            what = {(2, True): "keeps the last", (2, False): "drops the first",
+                    (3, True): "drops the last", (3, False): "keeps the first"}[index, bound < 0]
+            raise GeneralizeRefused(
+                f"node {_where(node)} {what} {abs(bound)} positions of an axis of "
+                f"{_spell(affine)} "
+                f"({extents} at (S, P) = {points}): a window of {abs(bound)} positions, whose "
+                f"result changes where S + P crosses {abs(bound)}; no single program serves "
+                "every S and P (export with a fixed length, or keep the whole cache and mask "
+                "the window)")
+
+
+def length_literals(graph: fx.Graph, sites: Sequence[Site] = ()) -> list:
+    """(node name, value) of every integer literal of ``graph`` that may be a length: slice
+    bounds, integer scalars of comparisons and arithmetic on integer or boolean tensors,
+    ``arange`` arguments and ``full``-like sizes; the literals made symbolic (``sites``) and
+    sentinels (``LENGTH_CAP`` and above) left out. Largest first."""
+    made = {(site.node, site.path) for site in sites}
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        name, val = _opname(node), node.meta.get("val")
+        if name == "slice":
+            leaves = [((0, i), node.args[i]) for i in (2, 3) if len(node.args) > i]
+        elif name == "arange":
+            leaves = list(_leaves((node.args,)))
+        elif name in SIZE_ARGS and len(node.args) > SIZE_ARGS[name]:
+            leaves = [((0, SIZE_ARGS[name]) + p, v)
+                      for p, v in _leaves(node.args[SIZE_ARGS[name]])]
+        elif name in POSITION_OPS and isinstance(val, torch.Tensor) and not (
+                val.dtype.is_floating_point or val.dtype.is_complex):
+            leaves = list(_leaves((node.args,)))
+        else:
+            continue
+        found += [(node.name, abs(v)) for path, v in leaves
+                  if _is_int(v) and (node.name, path) not in made]
+    return sorted(found, key=lambda item: -item[1])
+
+
+def far_point(points: Sequence[Point], lengths: Sequence[tuple]) -> Point:
+    """The point of the window check: the first point's S and a P that puts S + P past every
+    length-like literal and past FAR_MIN."""
+    seq = points[0][0]
+    total = max([FAR_MIN] + [value + 2 for _, value in lengths])
+    return seq, total - seq
+
+
 # --- the generic program --------------------------------------------------------------------
 
 def _plain_module(module: fx.GraphModule) -> fx.GraphModule:
@@ -440,8 +558,10 @@ def _reexport(module: fx.GraphModule, args: tuple, kwargs: dict,
                                 f"and P: {' / '.join(lines[:4])[:600]}") from None
 
 
-def _verify(generic: torch.export.ExportedProgram, program: torch.export.ExportedProgram,
-            point: Point) -> None:
+def _mismatch(generic: torch.export.ExportedProgram,
+              program: torch.export.ExportedProgram) -> Optional[str]:
+    """None when ``generic`` computes what ``program`` does on ``program``'s example inputs,
+    else which output differs and by how much."""
     args, kwargs = program.example_inputs
     with torch.no_grad():
         want = pytree.tree_leaves(program.module()(*args, **kwargs))
@@ -449,10 +569,42 @@ def _verify(generic: torch.export.ExportedProgram, program: torch.export.Exporte
     for index, (g, w) in enumerate(zip(got, want)):
         if not isinstance(w, torch.Tensor):
             continue
+        if g.shape != w.shape:
+            return f"output {index} {tuple(g.shape)} vs {tuple(w.shape)}"
         scale = float(w.double().abs().max()) if w.numel() else 0.0
         diff = float((g.double() - w.double()).abs().max()) if w.numel() else 0.0
-        if g.shape != w.shape or diff > 1e-4 * max(scale, 1e-30):
-            raise GeneralizeRefused(
-                f"the generalized program differs at the held-back point (S, P) = {point} "
-                f"from that point's own program: output {index} "
-                f"{tuple(g.shape)} vs {tuple(w.shape)}, max difference {diff:.3g}")
+        if diff > 1e-4 * max(scale, 1e-30):
+            return f"output {index} {tuple(w.shape)}, max difference {diff:.3g}"
+    return None
+
+
+def _verify(generic: torch.export.ExportedProgram, program: torch.export.ExportedProgram,
+            point: Point) -> None:
+    wrong = _mismatch(generic, program)
+    if wrong:
+        raise GeneralizeRefused(
+            f"the generalized program differs at the held-back point (S, P) = {point} "
+            f"from that point's own program: {wrong}")
+
+
+def _verify_far(generic: torch.export.ExportedProgram, trace: Callable, far: Point,
+                lengths: list) -> None:
+    """The window check (module doc): ``trace`` at ``far`` against the generic program."""
+    first = {value: name for name, value in reversed(lengths)}  # one node per value
+    named = ", ".join(f"{value} of node '{first[value]}'" for value in list(first)[::-1][:3])
+    literal = (f"every length-like literal ({named})" if lengths
+               else "the traced lengths (the graph holds no length-like literal)")
+    try:
+        program = trace(*far)
+        wrong = _mismatch(generic, program)
+    except Exception as error:  # noqa: BLE001 (the user's trace or model: say what it said)
+        first = next((line for line in str(error).splitlines() if line.strip()), "")
+        raise GeneralizeRefused(
+            f"the check at (S, P) = {far}, past {literal}, failed: {type(error).__name__}: "
+            f"{first[:300]}") from None
+    if wrong:
+        raise GeneralizeRefused(
+            f"the generalized program differs at (S, P) = {far}, past {literal}, from the "
+            f"program traced there: {wrong}; the result depends on the length through a "
+            "window the traced lengths never reached, so no single program serves every S "
+            "and P")

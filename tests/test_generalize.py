@@ -15,7 +15,7 @@ from torch import nn
 import gdn_fx
 from gdn_fx import tract_check
 from gdn_fx.errors import GeneralizeRefused, UsageError
-from gdn_fx.generalize import fit_affine
+from gdn_fx.generalize import FAR_MIN, far_point, fit_affine
 from spellings import fla_naive_recurrent_gdn
 
 # (S, P) never traced: decode (S = 1), a first prefill (P = 0), longer than any trace.
@@ -258,6 +258,139 @@ def test_points_must_fit_and_check():
         gdn_fx.generalize(tracer(Hybrid()), [(3, 4), (5, 4), (7, 4), (3, 7)])
 
 
+# --- windows --------------------------------------------------------------------------------
+
+class SlidingWindowLM(nn.Module):
+    """A decoder layer whose attention sees the last ``window`` positions, written as a
+    Mistral-style author would, in one of four ways (``spelling``):
+
+    - "rolling": the cache keeps only the last ``window`` keys (``cat(...)[:, :, -window:]``);
+    - "python": the same, the start computed in Python (``max(0, P + S - window)``), so the
+      traced graph holds no trace of the window;
+    - "mask": the cache keeps every key, a mask hides those ``window`` or more behind;
+    - "python+mask": the Python slice of "python" and the mask of "mask".
+
+    forward(ids [B, S], keys [B, H, P, D], values [B, H, P, D]) -> (logits, keys, values).
+    """
+
+    def __init__(self, spelling: str, window: int = 16, vocab=32, width=16, heads=2, dim=8):
+        super().__init__()
+        torch.manual_seed(5)
+        self.spelling, self.window, self.heads, self.dim = spelling, window, heads, dim
+        self.tokens = nn.Embedding(vocab, width)
+        self.qkv = nn.Linear(width, 3 * heads * dim, bias=False)
+        self.proj = nn.Linear(heads * dim, width, bias=False)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids, keys, values):
+        batch, new = ids.shape
+        past = keys.shape[2]
+        h = self.tokens(ids)
+        q, k, v = (t.view(batch, new, self.heads, self.dim).transpose(1, 2)
+                   for t in self.qkv(h).chunk(3, -1))  # [B, H, S, D]
+        keys, values = torch.cat((keys, k), 2), torch.cat((values, v), 2)
+        if self.spelling == "rolling":
+            keys, values = keys[:, :, -self.window:], values[:, :, -self.window:]
+        if self.spelling.startswith("python"):
+            start = max(0, past + new - self.window)
+            keys, values = keys[:, :, start:], values[:, :, start:]
+        end = past + new
+        key_pos = torch.arange(end - keys.shape[2], end)
+        query_pos = torch.arange(past, end)[:, None]
+        visible = key_pos <= query_pos
+        if self.spelling.endswith("mask"):
+            visible = visible & (query_pos - key_pos < self.window)
+        att = (q @ keys.transpose(-1, -2)) * self.dim ** -0.5
+        att = att.masked_fill(~visible, torch.finfo(att.dtype).min).softmax(-1)
+        mixed = (att @ values).transpose(1, 2).flatten(2)
+        return self.lm_head(h + self.proj(mixed)), keys, values
+
+    def example(self, S, P, seed=0):
+        gen = torch.Generator().manual_seed(seed + 31 * S + P)
+        cache = (1, self.heads, P, self.dim)
+        return (torch.randint(0, 32, (1, S), generator=gen), torch.randn(*cache, generator=gen),
+                torch.randn(*cache, generator=gen))
+
+
+def test_refuses_a_rolling_window_cache_naming_the_slice_and_the_window():
+    model = SlidingWindowLM("rolling").eval()
+    with pytest.raises(GeneralizeRefused) as caught:
+        gdn_fx.generalize(tracer(model))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "'slice" in message and "keeps the last 16 positions" in message, message
+
+
+def test_refuses_a_window_spelled_in_python_by_running_past_the_traced_lengths():
+    """No literal of the window is left in the graph: only the check far out sees it."""
+    model = SlidingWindowLM("python").eval()
+    with pytest.raises(GeneralizeRefused) as caught:
+        gdn_fx.generalize(tracer(model))
+    message = str(caught.value)
+    assert "\n" not in message and "window" in message, message
+    assert f"(S, P) = (3, {FAR_MIN - 3})" in message, message
+
+
+def test_the_check_reaches_past_a_window_literal_larger_than_far_min():
+    """W = 700 > FAR_MIN, spelled in Python (slice) and in the graph (mask): the check is
+    drawn past the mask's literal, where the slice starts to cut."""
+    window = 700
+    assert window > FAR_MIN
+    model = SlidingWindowLM("python+mask", window=window).eval()
+    with pytest.raises(GeneralizeRefused) as caught:
+        gdn_fx.generalize(tracer(model))
+    message = str(caught.value)
+    assert "(S, P) = (3, 699)" in message and f"{window} of node" in message, message
+
+
+def test_far_point_lies_past_the_largest_length_literal():
+    points = [(3, 4), (5, 4), (3, 7), (6, 9)]
+    assert far_point(points, []) == (3, FAR_MIN - 3)
+    assert far_point(points, [("lt", 1000), ("slice_2", 4)]) == (3, 999)
+
+
+def test_a_masked_window_over_the_whole_cache_generalizes_exact_past_the_window(tmp_path):
+    """The window as a mask from the positions: the graph computes it at every length, so
+    generalize keeps it; in torch and in tract the result equals eager at S + P past W."""
+    model = SlidingWindowLM("mask").eval()
+    gen = gdn_fx.generalize(tracer(model))
+    assert gen.far == (3, FAR_MIN - 3)
+    runnable = tract_check.load(gen.export_nnef(tmp_path / "w.nnef.tgz"))
+    for S, P in [(1, 0), (2, 30), (20, 3), (5, 40)]:
+        args = model.example(S, P, seed=2)
+        with torch.no_grad():
+            want = model(*args)
+            got = gen.program.module()(*args)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and (g - w).abs().max() <= 1e-4 * w.abs().max()
+        assert tract_check.compare(runnable, want, args, tolerance=1e-4).ok, (S, P)
+    # without the window the same model differs there: the mask is doing the work
+    args = model.example(5, 40, seed=2)
+    with torch.no_grad():
+        assert not torch.allclose(model(*args)[0], SlidingWindowLM("")(*args)[0], atol=1e-3)
+
+
+@pytest.mark.slow
+def test_transformers_sliding_window_family_generalizes_exact_past_the_window():
+    """lara_mini's sliding-attention layer (transformers' sliding-window mask) with a window
+    of 16, through DecodeStep's whole-window cache: equal to eager past the window."""
+    from gdn_fx.hf import DecodeStep, prepare_for_nnef, tiny_model
+    from gdn_fx.hf.generalized import generalize_step
+
+    model = prepare_for_nnef(tiny_model("lara_mini", sliding_window=16))
+    assert "sliding_attention" in model.config.layer_types
+    step = DecodeStep(model, last_logits=True, whole_windows=True)
+    gen = generalize_step(step)
+    assert gen.far is not None and sum(gen.far) > 16
+    for S, P in [(2, 20), (5, 30), (20, 0)]:
+        args = step.example_inputs(seq_len=S, past_len=P, source="random", seed=2)
+        want = step.eager(*args)
+        with torch.no_grad():
+            got = gen.program.module()(*args)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and (g - w).abs().max() <= 1e-4 * w.abs().max(), (S, P)
+
+
 # --- a transformers family ------------------------------------------------------------------
 
 # Every family the reify route exports (glm5_next is refused there too: sizes that depend on
@@ -278,8 +411,8 @@ def test_plain_export_generalized_equals_the_reify_route(tmp_path, family):
 
     model = prepare_for_nnef(tiny_model(family))
     step = DecodeStep(model, last_logits=True, whole_windows=True)
-    gen = gdn_fx.generalize(lambda S, P: torch.export.export(
-        step, step.example_inputs(seq_len=S, past_len=P), strict=False))
+    gen = gdn_fx.generalize(lambda S, P: torch.export.export(  # random: see generalize_step
+        step, step.example_inputs(seq_len=S, past_len=P, source="random"), strict=False))
     assert gen.counts == step.expected_fusions
     path = gen.export_nnef(tmp_path / "q.nnef.tgz", input_names=step.input_names,
                            output_names=step.output_names)

@@ -28,9 +28,11 @@ from gdn_fx.hf.nnef import prepare_for_nnef
 
 def generalize_step(step: DecodeStep, points: Sequence = DEFAULT_POINTS) -> Generalized:
     """``step`` exported plainly (non-strict torch.export) at each (S, P) of ``points``,
-    collapsed and generalized."""
+    collapsed and generalized (and checked at a far point past every window, generalize's
+    doc). The example states are drawn at random: a transformers prefill keeps only
+    ``window - 1`` tokens in a sliding layer, which the step's whole-window cache does not."""
     def trace(seq: int, past: int) -> torch.export.ExportedProgram:
-        args = step.example_inputs(seq_len=seq, past_len=past)
+        args = step.example_inputs(seq_len=seq, past_len=past, source="random")
         return torch.export.export(step, args, strict=False)
 
     return generalize(trace, points)
