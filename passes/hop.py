@@ -16,7 +16,6 @@ import operator
 
 import torch
 from torch import fx
-from torch._ops import HigherOrderOperator
 
 from gdn_fx.passes.layouts import plan_operands
 from gdn_fx.passes.loops import Step
@@ -34,9 +33,15 @@ RULE = "gated_delta_scan"  # the op such a loop could be: the near-miss is that 
 
 
 def loop_hops(graph: fx.Graph) -> list[fx.Node]:
-    """The nodes of ``graph`` that call a looping higher-order operator, in graph order."""
-    return [n for n in graph.nodes if n.op == "call_function"
-            and isinstance(n.target, HigherOrderOperator) and n.target.name() in LOOPS]
+    """The nodes of ``graph`` that call a looping higher-order operator, in graph order
+    (found through the graph's own index by target: no walk over an unrolled graph)."""
+    found = [n for name in sorted(LOOPS) if hasattr(torch.ops.higher_order, name)
+             for n in graph.find_nodes(op="call_function",
+                                       target=getattr(torch.ops.higher_order, name))]
+    if len(found) < 2:
+        return found
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(found, key=order.__getitem__)
 
 
 def describe(node: fx.Node, *, at: bool = True) -> str:
