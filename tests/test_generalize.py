@@ -267,6 +267,7 @@ class SlidingWindowLM(nn.Module):
     - "rolling": the cache keeps only the last ``window`` keys (``cat(...)[:, :, -window:]``);
     - "python": the same, the start computed in Python (``max(0, P + S - window)``), so the
       traced graph holds no trace of the window;
+    - "python_min": the same as ``[:, :, -min(P + S, window):]``, traced as ``-(S + P)``;
     - "mask": the cache keeps every key, a mask hides those ``window`` or more behind;
     - "python+mask": the Python slice of "python" and the mask of "mask".
 
@@ -291,7 +292,10 @@ class SlidingWindowLM(nn.Module):
         keys, values = torch.cat((keys, k), 2), torch.cat((values, v), 2)
         if self.spelling == "rolling":
             keys, values = keys[:, :, -self.window:], values[:, :, -self.window:]
-        if self.spelling.startswith("python"):
+        if self.spelling == "python_min":
+            keep = min(past + new, self.window)
+            keys, values = keys[:, :, -keep:], values[:, :, -keep:]
+        elif self.spelling.startswith("python"):
             start = max(0, past + new - self.window)
             keys, values = keys[:, :, start:], values[:, :, start:]
         end = past + new
@@ -321,9 +325,10 @@ def test_refuses_a_rolling_window_cache_naming_the_slice_and_the_window():
     assert "'slice" in message and "keeps the last 16 positions" in message, message
 
 
-def test_refuses_a_window_spelled_in_python_by_running_past_the_traced_lengths():
+@pytest.mark.parametrize("spelling", ["python", "python_min"])
+def test_refuses_a_window_spelled_in_python_by_running_past_the_traced_lengths(spelling):
     """No literal of the window is left in the graph: only the check far out sees it."""
-    model = SlidingWindowLM("python").eval()
+    model = SlidingWindowLM(spelling).eval()
     with pytest.raises(GeneralizeRefused) as caught:
         gdn_fx.generalize(tracer(model))
     message = str(caught.value)
