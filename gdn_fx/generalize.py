@@ -168,7 +168,8 @@ def generalize(trace: Callable[[int, int], Any], points: Sequence[Point] = DEFAU
     _substitute(modules[0], sites, axes)
     args, kwargs = programs[0].example_inputs
     generic = _reexport(modules[0], args, kwargs, axes)
-    far = far_point(points, lengths)
+    carried = {symbol for found in axes.values() for symbol in found.values()}
+    far = far_point(points, lengths, "P" if "P" in carried else "S")
     if verify:
         _verify(generic, programs[-1], points[-1])
         _verify_far(generic, trace, far, lengths)
@@ -456,12 +457,13 @@ def length_literals(graph: fx.Graph, sites: Sequence[Site] = ()) -> list:
     return sorted(found, key=lambda item: -item[1])
 
 
-def far_point(points: Sequence[Point], lengths: Sequence[tuple]) -> Point:
-    """The point of the window check: the first point's S and a P that puts S + P past every
-    length-like literal and past FAR_MIN."""
-    seq = points[0][0]
+def far_point(points: Sequence[Point], lengths: Sequence[tuple], grow: str = "P") -> Point:
+    """The point of the window check: S + P past every length-like literal and past FAR_MIN,
+    reached by growing P from the first point (S where no input carries P: a longer S costs
+    a longer trace where a loop is unrolled)."""
+    seq, past = points[0]
     total = max([FAR_MIN] + [value + 2 for _, value in lengths])
-    return seq, total - seq
+    return (seq, total - seq) if grow == "P" else (total - past, past)
 
 
 # --- the generic program --------------------------------------------------------------------

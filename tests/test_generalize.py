@@ -352,6 +352,7 @@ def test_far_point_lies_past_the_largest_length_literal():
     points = [(3, 4), (5, 4), (3, 7), (6, 9)]
     assert far_point(points, []) == (3, FAR_MIN - 3)
     assert far_point(points, [("lt", 1000), ("slice_2", 4)]) == (3, 999)
+    assert far_point(points, [("lt", 1000)], grow="S") == (998, 4)  # no input carries P
 
 
 def test_a_masked_window_over_the_whole_cache_generalizes_exact_past_the_window(tmp_path):
