@@ -3,19 +3,76 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
 
+EXAMPLES = {
+    None: """examples:
+  gdn-fx demo
+  gdn-fx export --family qwen3_5 --out out/q.nnef.tgz
+  gdn-fx generate --nnef out/q.nnef.tgz --prompt-ids 1,2,3 --max-new-tokens 16
+  gdn-fx diff a.pt2 b.pt2
+Run "gdn-fx COMMAND --help" for a command's options.""",
+    "demo": """example:
+  gdn-fx demo --out out/demo.nnef.tgz""",
+    "export": """examples:
+  gdn-fx export --family qwen3_5 --out out/q.nnef.tgz     # + out/q.decode.nnef.tgz
+  gdn-fx export --model CHECKPOINT_DIR --out out/m.nnef.tgz --weights q4_0
+  gdn-fx export --config config.json --seq-len 8 --out out/step.nnef.tgz
+
+{families}
+The files are written beside --out under a hidden temporary name and renamed at the end:
+an error leaves nothing at --out.""",
+    "generate": """examples:
+  gdn-fx generate --nnef out/q.nnef.tgz --prompt-ids 1,2,3 --max-new-tokens 16
+  gdn-fx generate --nnef out/q.nnef.tgz --prompt-ids 1,2,3 --check --family qwen3_5
+
+The decode graph beside --nnef (X.decode.nnef.tgz) is used when the export wrote one; it
+must carry the main graph's fingerprint.""",
+    "diff": """examples:
+  gdn-fx diff a.pt2 b.pt2
+  gdn-fx diff out/a.nnef.tgz out/b.nnef.tgz""",
+}
+
+
+def _subparser(sub, name: str, help_text: str, **extra) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_text, description=help_text,
+                          epilog=EXAMPLES[name].format(**extra),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _families() -> str:
+    """The --family names as the export help lists them (wrapped), with those the installed
+    transformers lacks named apart."""
+    import textwrap
+
+    import transformers
+
+    from gdn_fx.hf.configs import FAMILIES, available_families
+
+    here = available_families()
+    text = "families (--family): " + ", ".join(here)
+    missing = [f for f in FAMILIES if f not in here]
+    if missing:
+        text += (f"; not in the installed transformers {transformers.__version__}: "
+                 + ", ".join(missing))
+    return "\n".join(textwrap.wrap(text, 90, subsequent_indent="  "))
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gdn-fx", description=__doc__)
+    parser = argparse.ArgumentParser(prog="gdn-fx", description=__doc__, epilog=EXAMPLES[None],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="tiny random Qwen3.5 decode step, end to end")
+    demo = _subparser(sub, "demo", "tiny random Qwen3.5 decode step, end to end")
     demo.add_argument("--out", type=Path, default=Path("out/demo.nnef.tgz"))
-    export = sub.add_parser(
-        "export", help="a model as a generation-ready NNEF (symbolic S and P, prefill and "
-        "decode), or with --seq-len one step at a fixed length")
+    export = _subparser(
+        sub, "export", "a model as a generation-ready NNEF (symbolic S and P, prefill and "
+        "decode), or with --seq-len one step at a fixed length", families=_families())
     _model_source(export, required=True)
     export.add_argument("--out", type=Path, required=True, help="*.nnef.tgz, .nnef.tar or .nnef")
     export.add_argument("--seq-len", type=int, default=None,
@@ -35,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(S, P), collapse, gdn_fx.generalize to symbolic S and P")
     export.add_argument("--no-check", action="store_true",
                         help="skip the short tract generation compared with transformers")
-    generate = sub.add_parser("generate", help="greedy generation in tract from an export")
+    generate = _subparser(sub, "generate", "greedy generation in tract from an export")
     generate.add_argument("--nnef", type=Path, required=True,
                           help="the export (its X.decode.nnef.tgz is used when present)")
     generate.add_argument("--prompt-ids", required=True, help="token ids, e.g. 1,2,3")
@@ -44,11 +101,13 @@ def _parser() -> argparse.ArgumentParser:
                           help="feed the prompt in calls of N tokens (default: the longest "
                           "chunk whose activations fit the L2 cache; 0: the whole prompt in "
                           "one call)")
+    generate.add_argument("--no-decode", action="store_true",
+                          help="let the main graph serve decode (ignore X.decode.nnef.tgz)")
     generate.add_argument("--check", action="store_true",
                           help="compare every token and logit with transformers' generate on "
                           "the model named by --family / --config / --model")
     _model_source(generate, required=False)
-    diff = sub.add_parser("diff", help="structural diff of two programs (.pt2) or NNEF exports")
+    diff = _subparser(sub, "diff", "structural diff of two programs (.pt2) or NNEF exports")
     diff.add_argument("a", type=Path)
     diff.add_argument("b", type=Path)
     return parser
@@ -77,7 +136,8 @@ def _diff(a: Path, b: Path) -> int:
 
 def _model_source(parser: argparse.ArgumentParser, required: bool) -> None:
     source = parser.add_mutually_exclusive_group(required=required)
-    source.add_argument("--family", help="a built-in tiny config (see gdn_fx.hf.FAMILIES)")
+    source.add_argument("--family", help="a built-in tiny config (gdn_fx.hf.FAMILIES; "
+                        "listed below)")
     source.add_argument("--config", type=Path, help="a transformers config.json")
     source.add_argument("--model", type=Path, dest="model_dir",
                         help="a transformers checkpoint folder (config.json + weights)")
@@ -87,9 +147,58 @@ def _model_source(parser: argparse.ArgumentParser, required: bool) -> None:
 def _export(job) -> int:
     from gdn_fx.pipeline import render, run
 
-    report = run(job, say=lambda line: print(line, flush=True))
-    print(render(report))
+    with _staged(job) as (staged, say):
+        report = run(staged, say=say)
+        if report.ok:
+            report.nnef_path = _move_in(staged.out, job.out)
+        print(_unstaged(render(report), staged, job))
+        _not_kept(report.ok, job.out)
     return 0 if report.ok else 1
+
+
+@contextlib.contextmanager
+def _staged(job):
+    """(a copy of ``job`` writing into a hidden folder beside ``job.out``, a ``say`` that
+    prints its progress lines with the final paths); the folder and whatever is left in it
+    are removed at the end, also on an error: nothing at --out looks like a finished export
+    unless the command moved it there (:func:`_move_in`)."""
+    import dataclasses
+
+    from gdn_fx.hf.nnef import staging
+
+    with staging(job.out) as folder:
+        staged = dataclasses.replace(job, out=folder / job.out.name)
+        yield staged, lambda line: print(_unstaged(line, staged, job), flush=True)
+
+
+def _unstaged(text: str, staged, job) -> str:
+    """``text`` with the staged paths spelled as the final ones."""
+    final = "" if str(job.out.parent) == "." else str(job.out.parent) + os.sep
+    return text.replace(str(staged.out.parent) + os.sep, final)
+
+
+def _move_in(staged: Path, final: Path) -> Path:
+    """Rename the staged export (and its decode graph, when there is one) to ``final``: the
+    decode graph first, the main graph last; a decode graph of an earlier export at the
+    final place goes when this export has none (it would not match)."""
+    import shutil
+
+    from gdn_fx.hf.generator import decode_path
+
+    for source, target in ((decode_path(staged), decode_path(final)), (staged, final)):
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        if source.exists():
+            os.replace(source, target)
+    return final
+
+
+def _not_kept(ok: bool, out: Path) -> None:
+    if not ok:
+        print(f"not written to {out}: the export failed its check (--no-check writes an "
+              "unchecked generation-ready export)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -123,19 +232,33 @@ def _dispatch(args) -> int:
               seed=args.seed, weights=args.weights,
               route="generalize" if args.generalize else "reify", runtime=args.runtime)
     if args.seq_len is None and not args.dynamic_seq:
-        from gdn_fx.pipeline import render_generator, run_generator
-
-        report = run_generator(job, say=lambda line: print(line, flush=True),
-                               check=not args.no_check)
-        print(render_generator(report))
-        return 0 if report.ok else 1
+        return _export_generator(job, check=not args.no_check)
     return _export(job)
+
+
+def _export_generator(job, check: bool) -> int:
+    """The generation-ready export, written beside --out and moved in when it is OK."""
+    import dataclasses
+
+    from gdn_fx.hf.generator import decode_path
+    from gdn_fx.pipeline import render_generator, run_generator
+
+    with _staged(job) as (staged, say):
+        report = run_generator(staged, say=say, check=check)
+        if report.ok:
+            files = report.files
+            main = _move_in(files.main, job.out)
+            decode = None if files.decode is None else decode_path(main)
+            report.files = dataclasses.replace(files, main=main, decode=decode)
+        print(_unstaged(render_generator(report), staged, job))
+        _not_kept(report.ok, job.out)
+    return 0 if report.ok else 1
 
 
 def _generate(args) -> int:
     """Greedy tokens in tract; with --check, against transformers on the same model."""
     from gdn_fx.errors import UsageError
-    from gdn_fx.hf.generator import Generator, check_generation, decode_path
+    from gdn_fx.hf.generator import Generator, UnverifiedPair, check_generation
     from gdn_fx.pipeline import Job, build_model
 
     try:
@@ -149,9 +272,13 @@ def _generate(args) -> int:
         raise UsageError("--check needs the model: --family, --config or --model")
     if not args.nnef.exists():
         raise UsageError(f"--nnef {args.nnef} does not exist")
-    decode = decode_path(args.nnef)
     chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
-    generator = Generator(args.nnef, decode if decode.exists() else None, prefill_chunk=chunk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnverifiedPair)
+        generator = Generator.open(args.nnef, use_decode=not args.no_decode,
+                                   prefill_chunk=chunk)
+    for warning in caught:  # one line each, as errors are
+        print(f"gdn-fx: warning: {warning.message}", file=sys.stderr)
     result = generator.generate(prompt, args.max_new_tokens, progress=True)
     print("tokens: " + ",".join(map(str, result.tokens)))
     print(f"tract: {result.rates()}")

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import zipfile
 from pathlib import Path
-from gdn_fx.errors import UsageError
+
+from gdn_fx.errors import CheckpointError, UsageError
 
 NNEF_SUFFIXES = (".nnef.tgz", ".nnef.tar", ".nnef")
 
@@ -46,9 +49,21 @@ def check(args: argparse.Namespace) -> None:
 
 
 def check_out(path: Path) -> None:
-    """``--out`` must name an NNEF file or folder."""
+    """``--out`` must name an NNEF file or folder that can be written: its nearest existing
+    parent a writable folder, and an archive's name not already a folder."""
     if not str(path).endswith(NNEF_SUFFIXES):
         raise UsageError(f"--out {path}: must end with {', '.join(NNEF_SUFFIXES)}")
+    for parent in path.parents:
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            raise UsageError(f"--out {path}: {parent} is a file, not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UsageError(f"--out {path}: the folder {parent} is not writable")
+        break
+    if path.is_dir() and not path.name.endswith(".nnef"):
+        raise UsageError(f"--out {path} is a folder; an archive name (.nnef.tgz, .nnef.tar) "
+                         "must not be")
 
 
 def check_family(name: str) -> None:
@@ -58,45 +73,124 @@ def check_family(name: str) -> None:
     family_classes(name)  # UnknownFamily / FamilyUnavailable name the family
 
 
-def check_config(path: Path) -> None:
-    """``--config`` must be a readable, non-empty JSON object with a ``model_type``."""
-    text = _read(path, "--config")
+def check_config(path: Path, flag: str = "--config", error=UsageError) -> dict:
+    """``--config`` must be a readable, non-empty JSON object whose ``model_type`` the
+    installed transformers has as a causal LM; returns its values. ``flag`` names the file
+    in the message, ``error`` is the class raised."""
+    text = _read(path, flag, error)
     if not text.strip():
-        raise UsageError(f"--config {path} is empty")
+        raise error(f"{flag} {path} is empty")
     try:
         values = json.loads(text)
     except json.JSONDecodeError as err:
-        raise UsageError(f"--config {path} is not valid JSON: {err}") from None
+        raise error(f"{flag} {path} is not valid JSON: {err}") from None
     if not isinstance(values, dict):
-        raise UsageError(f"--config {path} must hold a JSON object, got {type(values).__name__}")
+        raise error(f"{flag} {path} must hold a JSON object, got {type(values).__name__}")
     model_type = values.get("model_type")
     if not model_type:
-        raise UsageError(f"--config {path} has no \"model_type\" (which transformers model?)")
+        raise error(f"{flag} {path} has no \"model_type\" (which transformers model?)")
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if model_type not in CONFIG_MAPPING:
-        raise UsageError(f"--config {path}: model_type {model_type!r} is unknown to "
-                         f"transformers {transformers.__version__}")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise error(f"{flag} {path}: model_type {model_type!r} is unknown to "
+                    f"transformers {transformers.__version__}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise error(f"{flag} {path}: model_type {model_type!r} is not a causal language "
+                    f"model in transformers {transformers.__version__}")
+    return values
 
 
 def check_model_dir(path: Path) -> None:
-    """``--model`` must be a folder holding a config.json."""
+    """``--model`` must be a checkpoint folder as ``save_pretrained`` writes it: a valid
+    config.json (as ``--config``) and complete weights (every safetensors file as long as its
+    header says; every shard of an index present)."""
     if not path.is_dir():
         raise UsageError(f"--model {path} is not a folder")
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {path} has no config.json")
+    check_config(path / "config.json", "--model", CheckpointError)
+    for file in weight_files(path):
+        if file.name.endswith(".safetensors"):
+            check_safetensors(file)
+        elif zipfile.is_zipfile(file) is False and _starts_as_zip(file):
+            raise CheckpointError(f"--model {path}: {file.name} is truncated (a zip archive "
+                                  "without its end)")
 
 
-def _read(path: Path, flag: str) -> str:
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_SUFFIX = ".index.json"
+
+
+def weight_files(folder: Path) -> list:
+    """The weight files transformers would read from ``folder``: the shards its index lists,
+    else the single file; CheckpointError when there are none or a listed shard is missing."""
+    for name in WEIGHT_FILES:
+        index = folder / (name + INDEX_SUFFIX)
+        if index.is_file():
+            values = check_config_like(index)
+            shards = sorted(set(values.get("weight_map", {}).values()))
+            missing = [s for s in shards if not (folder / s).is_file()]
+            if not shards or missing:
+                raise CheckpointError(f"--model {folder}: {index.name} lists "
+                                      f"{', '.join(missing) or 'no shards'} (missing)")
+            return [folder / s for s in shards]
+        if (folder / name).is_file():
+            return [folder / name]
+    raise CheckpointError(f"--model {folder} holds no weights ({', '.join(WEIGHT_FILES)} or "
+                          "their .index.json): save_pretrained writes them beside config.json")
+
+
+def check_config_like(path: Path) -> dict:
+    """A JSON object file of a checkpoint (an index); CheckpointError naming it otherwise."""
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} cannot be read as JSON: {err}") from None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return values
+
+
+def check_safetensors(file: Path) -> None:
+    """A safetensors file must hold its whole header and every byte the header describes
+    (8-byte little-endian header length, the JSON header, then the data): a truncated copy
+    is refused here, before transformers reads it. Only the header is read."""
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or length > size - 8:
+            raise CheckpointError(f"{file} is truncated or not a safetensors file: {size} "
+                                  f"bytes, header length {length}")
+        try:
+            header = json.loads(handle.read(length))
+            ends = [entry["data_offsets"][1] for key, entry in header.items()
+                    if key != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
+            raise CheckpointError(f"{file}: its safetensors header cannot be read ({err})"
+                                  ) from None
+    need = 8 + length + max(ends, default=0)
+    if need > size:
+        raise CheckpointError(f"{file} is truncated: its header describes {need} bytes, the "
+                              f"file has {size}")
+
+
+def _starts_as_zip(file: Path) -> bool:
+    with open(file, "rb") as handle:
+        return handle.read(4) == b"PK\x03\x04"
+
+
+def _read(path: Path, flag: str, error=UsageError) -> str:
     if not path.exists():
-        raise UsageError(f"{flag} {path} does not exist")
+        raise error(f"{flag} {path} does not exist")
     if not path.is_file():
-        raise UsageError(f"{flag} {path} is not a file")
+        raise error(f"{flag} {path} is not a file")
     try:
         return path.read_text()
     except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"{flag} {path} cannot be read: {err}") from None
+        raise error(f"{flag} {path} cannot be read: {err}") from None
 
 
 def one_line(err: BaseException) -> str:

@@ -78,3 +78,23 @@ class GeneralizeRefused(ExportRefused):
 
 class InternalError(GdnFxError, AssertionError):
     """A broken invariant inside gdn-fx (a bug to report), never the user's input."""
+
+
+class InputUnsupported(GdnFxError, NotImplementedError):
+    """A well-formed input that gdn-fx does not handle yet (e.g. a batch of several prompts
+    for the Generator); the message says what and what works instead."""
+
+
+class ArtifactError(GdnFxError, ValueError):
+    """An NNEF artifact that cannot serve as asked: tract cannot load it (missing, truncated,
+    not NNEF), or it declares inputs the caller does not give; the message names the file."""
+
+
+class ArtifactMismatch(ArtifactError):
+    """Graphs used together that do not belong to one export: a main graph and a decode graph
+    whose fingerprints (weights and config) or declared inputs differ."""
+
+
+class CheckpointError(GdnFxError, ValueError):
+    """A checkpoint folder that transformers could not load (a corrupt config.json, no weights,
+    a truncated weights file); the message names the file and what is wrong with it."""

@@ -172,7 +172,7 @@ def nnef_text(path: Union[str, Path]) -> str:
     if path.is_dir():
         return (path / "graph.nnef").read_text()
     with tarfile.open(path) as archive:
-        for member in archive.getmembers():
+        for member in archive:  # lazily: stop at graph.nnef (gdn-fx archives put it first)
             if Path(member.name).name == "graph.nnef":
                 return io.TextIOWrapper(archive.extractfile(member), encoding="utf8").read()
     raise MissingFile(f"no graph.nnef in {path}")

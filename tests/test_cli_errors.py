@@ -159,3 +159,139 @@ def test_negative_prefill_chunk(tmp_path, capsys):
     line = refused(capsys, ["generate", "--nnef", str(tmp_path / "m.nnef.tgz"),
                             "--prompt-ids", "1,2", "--prefill-chunk", "-1"])
     assert "--prefill-chunk must be >= 0" in line and "-1" in line
+
+
+# --- checkpoint folders, --out, help (issue 30) ------------------------------------------------
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A checkpoint folder as save_pretrained writes it (tiny lfm2: config.json + weights)."""
+    from gdn_fx.hf import tiny_model
+
+    folder = tmp_path / "ckpt"
+    tiny_model("lfm2").save_pretrained(folder)
+    assert (folder / "model.safetensors").is_file()
+    return folder
+
+
+def test_checkpoint_with_a_corrupt_config(checkpoint, capsys, no_work):
+    (checkpoint / "config.json").write_text('{"model_type": "lfm2", "hidden_size": ')
+    line = refused(capsys, export("--model", str(checkpoint), "--out",
+                                  str(checkpoint.parent / "m.nnef.tgz")))
+    assert "CheckpointError" in line and "config.json" in line and "not valid JSON" in line
+
+
+def test_checkpoint_without_weights(checkpoint, capsys, no_work):
+    (checkpoint / "model.safetensors").unlink()
+    line = refused(capsys, export("--model", str(checkpoint), "--out",
+                                  str(checkpoint.parent / "m.nnef.tgz")))
+    assert "holds no weights" in line and str(checkpoint) in line
+
+
+@pytest.mark.parametrize("keep", [4, 200, -100])  # in the length, in the header, in the data
+def test_checkpoint_with_a_truncated_safetensors_file(checkpoint, capsys, no_work, keep):
+    weights = checkpoint / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:keep])
+    out = checkpoint.parent / "m.nnef.tgz"
+    line = refused(capsys, export("--model", str(checkpoint), "--out", str(out)))
+    assert "CheckpointError" in line and "model.safetensors" in line
+    assert not out.exists()
+
+
+def test_checkpoint_with_a_missing_shard(tmp_path, capsys, no_work):
+    from gdn_fx.hf import tiny_model
+
+    folder = tmp_path / "sharded"
+    tiny_model("lfm2").save_pretrained(folder, max_shard_size="40KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (folder / "model.safetensors.index.json").is_file()
+    shards[-1].unlink()
+    capsys.readouterr()  # save_pretrained's progress bar
+    line = refused(capsys, export("--model", str(folder), "--out", str(tmp_path / "m.nnef")))
+    assert shards[-1].name in line and "missing" in line
+
+
+def test_a_checkpoint_as_saved_passes_the_checks(checkpoint):
+    from gdn_fx.cli_checks import check_model_dir
+
+    check_model_dir(checkpoint)  # the checks refuse broken folders, not good ones
+
+
+def test_out_whose_parent_is_a_file(tmp_path, capsys, no_work):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out in (blocker / "m.nnef.tgz", blocker / "sub" / "m.nnef.tgz"):
+        line = refused(capsys, export("--family", "qwen3_5", "--out", str(out)))
+        assert f"{blocker} is a file, not a folder" in line
+
+
+def test_out_archive_name_that_is_a_folder(tmp_path, capsys, no_work):
+    folder = tmp_path / "m.nnef.tgz"
+    folder.mkdir()
+    assert "is a folder" in refused(capsys, export("--family", "qwen3_5", "--out", str(folder)))
+
+
+def help_text(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_export_help_lists_the_families(capsys):
+    text = " ".join(help_text(capsys, ["export"]).split())
+    for name in configs.FAMILIES:
+        assert name in text.split("families (--family):")[1], name
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["export"], ["generate"], ["diff"]])
+def test_every_help_shows_an_example(capsys, command):
+    text = help_text(capsys, command)
+    assert "example" in text
+    shown = [line.strip() for line in text.splitlines() if line.strip().startswith("gdn-fx ")]
+    assert shown and all(line.split()[1] in ("demo", "export", "generate", "diff")
+                         for line in shown)
+    if command:
+        assert any(line.split()[1] == command[0] for line in shown)
+
+
+def status_and_lines(capsys, argv):
+    """(status, the gdn-fx lines of stderr, stdout): exports also print torch's warnings."""
+    status = main(argv)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return status, [ln for ln in captured.err.splitlines() if ln.startswith("gdn-fx:")], \
+        captured.out
+
+
+@pytest.mark.slow
+def test_an_export_that_fails_after_writing_leaves_nothing_at_out(tmp_path, capsys,
+                                                                  monkeypatch):
+    from gdn_fx.errors import UsageError
+    from gdn_fx.hf import generator
+
+    def fails(*args, **kwargs):  # the check after both graphs are written
+        raise UsageError("stopped after writing")
+
+    monkeypatch.setattr(generator, "check_generation", fails)
+    out = tmp_path / "m.nnef.tgz"
+    out.write_bytes(b"an earlier file, left as it was")
+    status, lines, _ = status_and_lines(capsys, export("--family", "lfm2", "--out", str(out)))
+    assert status == 2 and len(lines) == 1 and "stopped after writing" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.nnef.tgz"]  # no decode, no temp
+    assert out.read_bytes() == b"an earlier file, left as it was"
+
+
+@pytest.mark.slow
+def test_an_export_that_fails_its_check_is_not_written(tmp_path, capsys, monkeypatch):
+    from gdn_fx.hf import generator
+
+    wrong = generator.GenerationCheck(False, 0, 1.0, 1e-4, [0])
+    monkeypatch.setattr(generator, "check_generation", lambda *args, **kwargs: wrong)
+    out = tmp_path / "m.nnef.tgz"
+    status, lines, stdout = status_and_lines(capsys, export("--family", "lfm2", "--out",
+                                                            str(out)))
+    assert status == 1 and not lines and stdout.rstrip().endswith(
+        "--no-check writes an unchecked generation-ready export)")
+    assert "NOT OK" in stdout and list(tmp_path.iterdir()) == []

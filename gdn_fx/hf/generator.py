@@ -26,9 +26,13 @@ with the decode candidates; same inputs, same outputs.
 
 from __future__ import annotations
 
+import numbers
 import re
+import shutil
 import sys
+import tarfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -38,11 +42,13 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from gdn_fx.errors import UnsupportedModel, UsageError
+from gdn_fx.errors import (ArtifactError, ArtifactMismatch, InputUnsupported, MissingFile,
+                           UnsupportedModel, UsageError)
 from gdn_fx.hf.attention import grouped_attention
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.dropins import reify
-from gdn_fx.hf.nnef import fused_counts, prepare_for_nnef
+from gdn_fx.hf.nnef import (DECODE, FINGERPRINT, VOCAB, fingerprint, fused_counts, place,
+                            prepare_for_nnef, stamp_properties, staging, vocabulary_size)
 
 EXAMPLE_SEQ, EXAMPLE_PAST = 3, 4  # >= 2: torch.export specializes dims whose example is 0 or 1
 # tract against eager, per output, for an f16 model (f32 models: 1e-4): four f16 ulps of the
@@ -134,32 +140,71 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
     (both in tract), since neither matches the f32 model to 1e-4. Raises UnsupportedModel
     when a layer is not reified, ExportRefused (from export_nnef) for what cannot follow S
     and P, UsageError for an unknown ``weights``.
+
+    Both graphs are written and checked in a hidden folder beside ``path`` and moved into
+    place at the end (:func:`place_graphs`), so an error leaves nothing at ``path``; each
+    carries the tract property ``gdn_fx_fingerprint`` (config, weights and their storage),
+    which :class:`Generator` compares before it runs a pair.
     """
     from gdn_fx.lowering.t2n.weights import check_format
 
     check_format(weights)
-    from gdn_fx.export import export_nnef
-
+    path = Path(path)
     step = DecodeStep(prepare_for_nnef(model), last_logits=not all_logits, whole_windows=True)
     past = {s.name: {s.past_axis: "P"} for s in step.specs if s.past_axis is not None}
     say(f"export the reified step (symbolic S and P) -> {path}")
     program = export_program(step)
-    jobs = [(Path(path), program, {"input_ids": {1: "S"}, **past})]
+    finals = [path, decode_path(path)]
+    jobs = [(program, {"input_ids": {1: "S"}, **past})]
     if decode:
-        jobs.append((decode_path(path), decode_program(program, step), past))
-    written = []
-    for target, exported, axes in jobs:
-        say(f"write {target}")
-        written.append(export_nnef(exported, target, tract_version=tract_version,
-                                   dynamic_axes=axes, input_names=step.input_names,
-                                   output_names=step.output_names, choose=choose,
-                                   symbol_min={"P": 0}, weights=weights))
-    note = decode_problem(written[1], written[0], step, weights) if decode else "not asked for"
-    if note and decode:
-        say(f"decode graph dropped: {note}; the main graph serves decode")
-        written[1].unlink()
-    return GeneratorFiles(written[0], None if note else written[1], tuple(step.input_names),
+        jobs.append((decode_program(program, step), past))
+    options = dict(tract_version=tract_version, input_names=step.input_names,
+                   output_names=step.output_names, choose=choose, weights=weights)
+    with staging(path) as folder:  # nothing at path until both graphs are written and checked
+        written = [_write_graph(exported, folder / f"graph{i}.nnef", finals[i], axes, options,
+                                say) for i, (exported, axes) in enumerate(jobs)]
+        note = decode_problem(written[1], written[0], step, weights) if decode \
+            else "not asked for"
+        if note and decode:
+            say(f"decode graph dropped: {note}; the main graph serves decode")
+        kept = finals[:1] if note else finals
+        place_graphs(written[:len(kept)], kept, model, weights)
+    return GeneratorFiles(path, None if note else finals[1], tuple(step.input_names),
                           tuple(step.output_names), note)
+
+
+def _write_graph(program, folder: Path, final: Path, axes: Mapping, options: Mapping,
+                 say: Callable[[str], None]) -> Path:
+    from gdn_fx.export import export_nnef
+
+    say(f"write {final}")
+    return export_nnef(program, folder, dynamic_axes=axes, symbol_min={"P": 0}, **options)
+
+
+def place_graphs(written: Sequence[Path], finals: Sequence[Path], model: nn.Module,
+                 weights: str = "f32") -> None:
+    """Stamp the NNEF folders ``written`` (a main graph, then its decode graph if kept) with
+    the export's fingerprint (:func:`~gdn_fx.hf.nnef.fingerprint`), the vocabulary size and,
+    in the main graph, the decode graph's file name; then move them to ``finals``: the decode
+    graph first, the main graph last (a main graph in place means a complete pair). A decode
+    graph of an earlier export at ``decode_path(finals[0])`` is removed when none is kept:
+    it would not match the new main graph."""
+    common = {FINGERPRINT: fingerprint(model, weights), VOCAB: str(vocabulary_size(model))}
+    decode = finals[1].name if len(finals) > 1 else ""
+    stamp_properties(written[0], {**common, DECODE: decode})
+    for folder in written[1:]:
+        stamp_properties(folder, common)
+    for folder, final in reversed(list(zip(written, finals))):
+        if folder is written[0] and not decode:
+            _remove(decode_path(final))
+        place(folder, final)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def decode_problem(path: Path, main: Path, step: DecodeStep, weights: str = "f32") -> str:
@@ -291,6 +336,145 @@ class GenerationResult:
                 f"{self.decode_s * 1e3:.1f} ms ({decode:.1f} tokens/s)")
 
 
+class UnverifiedPair(UserWarning):
+    """A main / decode pair without fingerprints (exported before gdn-fx stamped its graphs):
+    their shapes are checked, whether they hold the same weights cannot be."""
+
+
+@dataclass(frozen=True)
+class LoadedGraph:
+    """One NNEF graph as tract loaded it, with what the Generator checks before each call:
+    its declared inputs (name, dims, datum type), the bounds it asserts on its symbols
+    (``extension tract_assert S >= 1``) and gdn-fx's tract properties."""
+
+    path: Path
+    runnable: object
+    text: str  # graph.nnef
+    inputs: tuple  # ((name, (dim, ...), datum), ...): dims are ints or symbol expressions
+    bounds: tuple  # ((symbol, operator, value), ...)
+    properties: dict  # gdn_fx_* properties: fingerprint, vocab, decode
+    logits_width: int  # the last axis of the first output (the vocabulary, for old exports)
+
+    @property
+    def fingerprint(self) -> Optional[str]:
+        return self.properties.get(FINGERPRINT)
+
+    def describe(self, index: int) -> str:
+        name, dims, datum = self.inputs[index]
+        return f"{name} [{', '.join(map(str, dims))}] {datum}"
+
+
+_ASSERT = re.compile(r"extension tract_assert (\w+) *(>=|<=|>|<|==) *(-?\d+);")
+_COMPARE = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
+            "<": lambda a, b: a < b, "==": lambda a, b: a == b}
+
+
+def load_graph(path: Union[str, Path]) -> LoadedGraph:
+    """Load ``path`` in tract and read its declarations; one-line errors (MissingFile,
+    ArtifactError) for a file that is not there or that tract cannot load (truncated, not
+    NNEF): tract's own reason, first lines only."""
+    import tract
+
+    from gdn_fx import tract_check
+
+    path = Path(path)
+    if not path.exists():
+        raise MissingFile(f"NNEF {path} does not exist")
+    try:
+        runnable = tract_check.load(path)
+        text = tract_check.nnef_text(path)
+    except (tract.TractError, OSError, EOFError, tarfile.TarError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"tract cannot load {path}: {_first_lines(error)}") from None
+    inputs = tuple((name, tuple(_dim(d) for d in dims.split(",")), datum)
+                   for name, dims, datum in EXTERNAL.findall(text))
+    bounds = tuple((sym, op, int(value)) for sym, op, value in _ASSERT.findall(text))
+    properties = {key: value for key, value in _PROPERTY.findall(text)}
+    logits = str(runnable.output_fact(0)).split(",")
+    width = int(logits[-2]) if len(logits) >= 2 and logits[-2].isdigit() else 0
+    return LoadedGraph(path, runnable, text, inputs, bounds, properties, width)
+
+
+_PROPERTY = re.compile(r'\(\s*"(gdn_fx_\w+)"\s*,\s*"([^"]*)"\s*\)')
+
+
+def _dim(text: str) -> Union[int, str]:
+    text = text.strip()
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _first_lines(error: BaseException, count: int = 3) -> str:
+    """An error's text without tract's stack backtrace, its first non-empty lines joined."""
+    text = str(error).split("Stack backtrace")[0]
+    return " / ".join(line.strip() for line in text.splitlines() if line.strip())[:300]
+
+
+def check_pair(main: LoadedGraph, decode: LoadedGraph) -> None:
+    """Refuse (ArtifactMismatch, one line) a decode graph that is not the main graph's: other
+    fingerprints (other weights, config or weight storage), or other declared inputs than
+    the main graph's at S = 1 (a model of other shapes: tract would fail mid-run, "Clashing
+    resolution for expression"). A pair where neither graph has a fingerprint (exports
+    before fingerprints) is let through with an UnverifiedPair warning: its shapes are
+    checked, its weights cannot be."""
+    if main.fingerprint != decode.fingerprint:
+        if main.fingerprint and decode.fingerprint:
+            raise ArtifactMismatch(
+                f"the decode graph {decode.path} is not from the export of {main.path}: "
+                f"fingerprints {decode.fingerprint[:19]}... and {main.fingerprint[:19]}... "
+                "differ (other weights or config); re-export both, or let the main graph "
+                "serve decode (gdn-fx generate --no-decode)")
+        has, lacks = (main, decode) if main.fingerprint else (decode, main)
+        raise ArtifactMismatch(f"{has.path} carries a fingerprint and {lacks.path} none: "
+                               "not the two graphs of one export; re-export both")
+    _check_same_inputs(main, decode)
+    if main.fingerprint is None:
+        warnings.warn(f"{main.path} and {decode.path} carry no fingerprint (exported before "
+                      "gdn-fx stamped its graphs): their shapes match, whether they hold the "
+                      "same weights cannot be checked; re-export to check it", UnverifiedPair,
+                      stacklevel=3)
+
+
+def _check_same_inputs(main: LoadedGraph, decode: LoadedGraph) -> None:
+    """The decode graph must declare the main graph's inputs, ``input_ids`` at S = 1."""
+    if len(main.inputs) != len(decode.inputs) or not main.inputs:
+        raise ArtifactMismatch(f"the decode graph {decode.path} has {len(decode.inputs)} "
+                               f"inputs, the main graph {main.path} {len(main.inputs)}: "
+                               "graphs of other models")
+    for index, (want, got) in enumerate(zip(main.inputs, decode.inputs)):
+        if index == 0:  # input_ids [B, S] against [B, 1]
+            want = (want[0], want[1][:-1] + (1,), want[2])
+        if want != got:
+            raise ArtifactMismatch(
+                f"the decode graph {decode.path} declares {decode.describe(index)}, the main "
+                f"graph {main.path} {main.describe(index)}: graphs of other shapes; re-export "
+                "both")
+    if main.logits_width != decode.logits_width:
+        raise ArtifactMismatch(f"the decode graph {decode.path} gives {decode.logits_width} "
+                               f"logits, the main graph {main.path} {main.logits_width}")
+
+
+def prompt_list(prompt_ids) -> list:
+    """``prompt_ids`` (token ids: a list, array or tensor; ``[[...]]`` for a batch of one) as
+    a list of ints. UsageError for anything but a non-empty list of ints; InputUnsupported
+    for several prompts (batching does not exist yet)."""
+    if isinstance(prompt_ids, (torch.Tensor, np.ndarray)):
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, (str, bytes, Mapping)) or not hasattr(prompt_ids, "__iter__"):
+        raise UsageError(f"prompt_ids must be a list of token ids, got "
+                         f"{type(prompt_ids).__name__}")
+    items = list(prompt_ids)
+    if items and all(isinstance(x, (list, tuple)) for x in items):
+        if len(items) > 1:
+            raise InputUnsupported(f"batching is not supported yet: got {len(items)} prompts; "
+                                   "call generate once per prompt")
+        items = list(items[0])
+    for index, item in enumerate(items):
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+            raise UsageError(f"prompt_ids[{index}] is {item!r}, not a token id (an int)")
+    if not items:
+        raise UsageError("prompt_ids is empty: give at least one token id")
+    return items
+
+
 class Generator:
     """Greedy decoding in tract over a generator artifact (and its decode graph, if given).
 
@@ -300,21 +484,86 @@ class Generator:
     serves every S and P, so this computes the same): by default the longest chunk that keeps
     every projection's activations within the L2 cache (:func:`prefill_chunk`); ``None`` feeds
     the whole prompt in one call.
+
+    Nothing reaches tract unchecked: a decode graph not from the main graph's export is
+    refused (:func:`check_pair`), and every call's token ids must lie in ``[0, vocab)`` (an id
+    outside makes tract's gather panic and abort the process), with the batch and lengths the
+    graphs declare; each refusal is one GdnFxError line.
     """
 
     def __init__(self, main: Union[str, Path], decode: Optional[Union[str, Path]] = None,
                  prefill_chunk: Union[int, str, None] = "auto"):
-        from gdn_fx import tract_check
-
-        self.main = tract_check.load(main).spawn_state()
-        self.decode = tract_check.load(decode).spawn_state() if decode else self.main
-        text = tract_check.nnef_text(main)  # read once: in a .tgz it follows the weights
+        self.main_graph = load_graph(main)
+        self.decode_graph = load_graph(decode) if decode else self.main_graph
+        if decode:
+            check_pair(self.main_graph, self.decode_graph)
+        self.main = self.main_graph.runnable.spawn_state()
+        self.decode = self.decode_graph.runnable.spawn_state() if decode else self.main
+        text = self.main_graph.text
         self.zero_states = _zero_states(text)
+        vocab = self.main_graph.properties.get(VOCAB, "")
+        self.vocab = int(vocab) if vocab.isdigit() else self.main_graph.logits_width
         if prefill_chunk == "auto":
             prefill_chunk = auto_prefill_chunk(text)
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise UsageError(f"prefill_chunk must be >= 1 (or None), got {prefill_chunk}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
+                prefill_chunk, numbers.Integral) or prefill_chunk < 1):
+            raise UsageError(f"prefill_chunk must be an int >= 1 (or None), got "
+                             f"{prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+
+    @classmethod
+    def open(cls, main: Union[str, Path], use_decode: bool = True,
+             prefill_chunk: Union[int, str, None] = "auto") -> "Generator":
+        """The export at ``main`` with the decode graph written beside it
+        (``decode_path(main)``), as ``gdn-fx generate`` runs it. ArtifactError when the
+        export had a decode graph (its main graph says so) that is not there; with
+        ``use_decode=False`` the main graph serves decode."""
+        decode = decode_path(main)
+        if use_decode and decode.exists():
+            return cls(main, decode, prefill_chunk)
+        generator = cls(main, None, prefill_chunk)
+        declared = generator.main_graph.properties.get(DECODE)
+        if use_decode and declared:
+            raise ArtifactError(f"{main} was exported with a decode graph (written as "
+                                f"{declared}) and {decode} is missing: put it there, "
+                                "re-export, or let the main graph serve decode (gdn-fx "
+                                "generate --no-decode, Generator(main))")
+        return generator
+
+    def _graph_of(self, state) -> LoadedGraph:
+        return self.decode_graph if state is self.decode else self.main_graph
+
+    def check_ids(self, ids: np.ndarray, graph: Optional[LoadedGraph] = None) -> np.ndarray:
+        """``ids`` as the int64 ``[B, S]`` that ``graph`` (default: the main graph) takes,
+        else a one-line error: InputUnsupported for a batch other than the declared one,
+        UsageError for another S, an S outside the asserted bounds, or an id outside
+        ``[0, vocab)``."""
+        graph = graph or self.main_graph
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise UsageError(f"token ids must be an integer array [batch, tokens], got "
+                             f"{ids.dtype} of shape {list(ids.shape)}")
+        batch, length = graph.inputs[0][1] if len(graph.inputs[0][1]) == 2 else (None, None)
+        if isinstance(batch, int) and ids.shape[0] != batch:
+            raise InputUnsupported(f"batching is not supported yet: {graph.path} takes "
+                                   f"{batch} sequence per call, got {ids.shape[0]}")
+        if isinstance(length, int) and ids.shape[1] != length:
+            raise UsageError(f"{graph.path} takes {length} token(s) per call, got "
+                             f"{ids.shape[1]}")
+        if isinstance(length, str):
+            self.check_lengths({length: ids.shape[1]}, graph)
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab))
+        if bad.size:
+            value = ids.reshape(-1)[bad[0]]
+            raise UsageError(f"token id {value} (position {bad[0]}) is outside the "
+                             f"vocabulary [0, {self.vocab}) of {graph.path}")
+        return ids.astype(np.int64, copy=False)
+
+    def check_lengths(self, values: Mapping[str, int],
+                      graph: Optional[LoadedGraph] = None) -> None:
+        """UsageError unless every bound ``graph`` (default: the main graph) asserts on these
+        symbols holds (e.g. ``{"S": 5, "P": 12}`` against ``S >= 1``, ``P >= 0``)."""
+        check_bounds(values, graph or self.main_graph)
 
     def step(self, state, ids: np.ndarray, caches: list) -> tuple[np.ndarray, list]:
         """One call: (last-position logits [B, V] as numpy, new caches as tract Tensors).
@@ -322,12 +571,17 @@ class Generator:
         ``caches``: numpy arrays or the tract Tensors of the previous call, which go back in
         as they are: tract does not consume its inputs, and turning ~33 MB of caches (the 0.8B
         shape at P = 512) into numpy and back cost ~10 of a q4_0 decode step's ~117 ms.
-        ``Tensor.to_numpy()`` gives one as an array."""
+        ``Tensor.to_numpy()`` gives one as an array. ``ids`` and numpy caches are checked
+        against the graph's declarations first (:meth:`check_ids`)."""
+        graph = self._graph_of(state)
+        ids = self.check_ids(ids, graph)
+        _check_caches(caches, graph)
         outputs = state.run([ids, *caches])
         return outputs[0].to_numpy()[:, -1], outputs[1:]
 
     def prefill(self, ids: np.ndarray, caches: list) -> tuple[np.ndarray, list]:
         """``ids`` [B, S] after ``caches``, in calls of at most ``prefill_chunk`` tokens."""
+        ids = self.check_ids(ids)
         chunk = self.prefill_chunk or ids.shape[1]
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start:start + chunk]
@@ -337,11 +591,19 @@ class Generator:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  progress: bool = False) -> GenerationResult:
-        """Greedy continuation of ``prompt_ids`` (batch 1) by ``max_new_tokens`` tokens."""
-        result = GenerationResult(list(prompt_ids))
+        """Greedy continuation of ``prompt_ids`` (batch 1) by ``max_new_tokens`` tokens.
+        Refused in one line before tract runs: several prompts (InputUnsupported), an empty
+        prompt, an id outside ``[0, vocab)``, ``max_new_tokens < 1``, a past longer than the
+        graphs declare (UsageError)."""
+        prompt = prompt_list(prompt_ids)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
+                or max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        ids = self.check_ids(np.array([_in_vocabulary(prompt, self.vocab)], dtype=np.int64))
+        self.check_lengths({"P": len(prompt) + max_new_tokens - 2})  # the last call's past
+        result = GenerationResult(list(prompt))
         start = time.perf_counter()
-        logits, caches = self.prefill(np.array([prompt_ids], dtype=np.int64),
-                                      [z.copy() for z in self.zero_states])
+        logits, caches = self.prefill(ids, [z.copy() for z in self.zero_states])
         result.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         for count in range(max_new_tokens):
@@ -357,6 +619,46 @@ class Generator:
         if progress:
             print(file=sys.stderr)
         return result
+
+
+def _in_vocabulary(prompt: list, vocab: int) -> list:
+    """``prompt`` unchanged, or UsageError naming the first id outside ``[0, vocab)`` (checked
+    on Python ints: an id beyond int64 must not wrap around on the way to numpy)."""
+    for index, token in enumerate(prompt):
+        if not 0 <= token < vocab:
+            raise UsageError(f"prompt id {token} (position {index}) is outside the vocabulary "
+                             f"[0, {vocab})")
+    return prompt
+
+
+def _check_caches(caches: Sequence, graph: LoadedGraph) -> None:
+    """As many caches as the graph declares after ``input_ids``, and each numpy array of
+    the declared dtype and shape (a symbol takes one value across the caches); tract Tensors
+    are outputs of an earlier call and pass as they are."""
+    declared = graph.inputs[1:]
+    if len(caches) != len(declared):
+        raise UsageError(f"{graph.path} takes {len(declared)} caches after input_ids, got "
+                         f"{len(caches)}")
+    symbols: dict = {}
+    for (name, dims, datum), cache in zip(declared, caches):
+        if not isinstance(cache, np.ndarray):
+            continue
+        fits = cache.dtype == DATUM.get(datum) and cache.ndim == len(dims) and all(
+            size == dim if isinstance(dim, int) else symbols.setdefault(dim, size) == size
+            for size, dim in zip(cache.shape, dims))
+        if not fits:
+            raise UsageError(f"cache {name} is {cache.dtype} {list(cache.shape)}; {graph.path} "
+                             f"declares [{', '.join(map(str, dims))}] {datum}")
+    check_bounds(symbols, graph)
+
+
+def check_bounds(values: Mapping[str, int], graph: LoadedGraph) -> None:
+    """UsageError unless every bound that ``graph`` asserts on the symbols of ``values``
+    holds (symbols ``values`` does not name are not checked)."""
+    for symbol, operator, bound in graph.bounds:
+        if symbol in values and not _COMPARE[operator](values[symbol], bound):
+            raise UsageError(f"{symbol} = {values[symbol]} is outside what {graph.path} "
+                             f"declares ({symbol} {operator} {bound})")
 
 
 # tract 0.23.9 computes a matmul whose row count is symbolic (S) at ~150 GFLOP/s on this

@@ -1,10 +1,15 @@
-"""Whole transformers hybrids to NNEF: model preparation and the dynamic-length export.
+"""Whole transformers hybrids to NNEF: model preparation, the dynamic-length export, and the
+files of an export (a fingerprint of weights and config, written beside the target first).
 
     model = prepare_for_nnef(tiny_model("qwen3_5_moe"))
     step = DecodeStep(model)
     program = export_dynamic(step, seq_len=8)            # reified, symbolic sequence axis
     path = export_nnef_dynamic(step, "prefill.nnef.tgz")  # the same, written as NNEF
     errors = check_dynamic(step, path, lengths=(3, 8, 50))  # tract vs eager at each length
+    with staging("out/q.nnef.tgz") as folder:            # a hidden folder beside the target
+        written = export_nnef(program, folder / "q.nnef")  # an NNEF folder, not yet archived
+        stamp_properties(written, {FINGERPRINT: fingerprint(model)})   # a tract property
+        place(written, Path("out/q.nnef.tgz"))            # archived, renamed into place
 
 Why the dynamic export goes through :func:`~gdn_fx.hf.reify` and not through collapse: a
 program exported at a fixed length (even collapsed) holds that length as literals in every
@@ -15,8 +20,16 @@ symbolic computations all the way into the NNEF (gdn_fx.lowering.t2n.traced_size
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -108,3 +121,100 @@ def check_dynamic(step: DecodeStep, path: Union[str, Path],
         args = step.example_inputs(seq_len=length)
         found[length] = tract_check.compare(runnable, step.eager(*args), args)
     return found
+
+
+# --- the files of an export: fingerprint, staging, properties, placement --------------------
+
+FINGERPRINT = "gdn_fx_fingerprint"  # tract property: the weights and config a graph serves
+VOCAB = "gdn_fx_vocab"  # tract property: rows of the input embedding (valid ids: [0, VOCAB))
+DECODE = "gdn_fx_decode"  # tract property of a main graph: its decode graph's file name, or ""
+GRAPH_FILE = "graph.nnef"
+# torch-to-nnef writes the properties as a literal list in this fragment of graph.nnef.
+# Values are one-line strings (one may hold "[GCC ...]"): the list ends at a line "  ];".
+_PROPERTIES_END = re.compile(r"(properties = \[.*?)(\n\s*\];)", re.DOTALL)
+
+
+def fingerprint(model: nn.Module, weights: str = "f32") -> str:
+    """One sha256 over the model's config and every state_dict entry (name, shape, dtype and
+    bytes) and the weight storage format: the same value for every graph of one export.
+
+    Computed from memory while the export is written (the files are never read back); the
+    config's bookkeeping fields (``_name_or_path``, ``transformers_version``...) are left
+    out, so a checkpoint re-saved elsewhere or by another release keeps its fingerprint."""
+    digest = hashlib.sha256()
+    config = {k: v for k, v in model.config.to_dict().items()
+              if not k.startswith("_") and k != "transformers_version"}
+    record = {"config": config, "weights": weights}
+    digest.update(json.dumps(record, sort_keys=True, default=str).encode())
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"\n{name} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy
+    return "sha256:" + digest.hexdigest()
+
+
+def vocabulary_size(model: nn.Module) -> int:
+    """How many token ids the model's input embedding has rows for."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") \
+        else None
+    if embeddings is not None and getattr(embeddings, "weight", None) is not None:
+        return int(embeddings.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+@contextlib.contextmanager
+def staging(path: Union[str, Path]) -> Iterator[Path]:
+    """A fresh hidden folder beside ``path`` (same file system: moving out of it is a rename),
+    removed on exit with whatever is left in it: an export interrupted by an error leaves
+    nothing at ``path`` or beside it that looks finished."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial",
+                                   dir=path.parent))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def stamp_properties(folder: Path, properties: Mapping[str, str]) -> None:
+    """Add ``properties`` (tract string properties) to the graph.nnef of the NNEF folder
+    ``folder``; tract keeps them in the loaded model (``model.property(key)``)."""
+    graph = Path(folder) / GRAPH_FILE
+    text = graph.read_text()
+    entries = "".join(f',\n    ("{key}", "{_nnef_string(value)}")'
+                      for key, value in properties.items())
+    stamped, count = _PROPERTIES_END.subn(lambda m: m.group(1) + entries + m.group(2), text, 1)
+    if count != 1:  # torch-to-nnef always writes the fragment: a change of its format
+        from gdn_fx.errors import InternalError
+
+        raise InternalError(f"no tract_core_properties list in {graph}")
+    graph.write_text(stamped)
+
+
+def _nnef_string(value: str) -> str:
+    """``value`` as the body of an NNEF string literal (one line, no double quote)."""
+    return " ".join(str(value).split()).replace("\\", "/").replace('"', "'")
+
+
+def place(folder: Path, final: Path) -> Path:
+    """Move the NNEF folder ``folder`` (in a :func:`staging` folder) to ``final``: as it is for
+    ``*.nnef``, else archived (``.nnef.tar``; ``.nnef.tgz``: gzip level 0, as torch-to-nnef
+    writes it) with graph.nnef first, so that reading the graph text stops before the
+    weights. The archive is built in the staging folder and renamed into place."""
+    final = Path(final)
+    if final.name.endswith(".nnef"):
+        if final.is_dir():
+            shutil.rmtree(final)
+        os.replace(folder, final)
+        return final
+    archive = folder.with_name(folder.name + ".archive")
+    gz = final.name.endswith(".tgz")
+    files = sorted((p for p in folder.rglob("*") if p.is_file()),
+                   key=lambda p: (p.name != GRAPH_FILE, p.relative_to(folder).as_posix()))
+    with tarfile.open(archive, "w:gz" if gz else "w", **({"compresslevel": 0} if gz else {})
+                      ) as tar:
+        for file in files:
+            tar.add(file, arcname=file.relative_to(folder).as_posix(), recursive=False)
+    os.replace(archive, final)
+    return final
