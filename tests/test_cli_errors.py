@@ -265,7 +265,6 @@ def status_and_lines(capsys, argv):
         captured.out
 
 
-@pytest.mark.slow
 def test_an_export_that_fails_after_writing_leaves_nothing_at_out(tmp_path, capsys,
                                                                   monkeypatch):
     from gdn_fx.errors import UsageError
@@ -283,7 +282,6 @@ def test_an_export_that_fails_after_writing_leaves_nothing_at_out(tmp_path, caps
     assert out.read_bytes() == b"an earlier file, left as it was"
 
 
-@pytest.mark.slow
 def test_an_export_that_fails_its_check_is_not_written(tmp_path, capsys, monkeypatch):
     from gdn_fx.hf import generator
 

@@ -337,8 +337,10 @@ class GenerationResult:
 
 
 class UnverifiedPair(UserWarning):
-    """A main / decode pair without fingerprints (exported before gdn-fx stamped its graphs):
-    their shapes are checked, whether they hold the same weights cannot be."""
+    """A main / decode pair without fingerprints (exported before gdn-fx stamped its graphs,
+    or by ``gdn_fx.hf.generalized``, which does not stamp them yet): their shapes are
+    checked, whether they hold the same weights cannot be. Warned, not refused: such pairs
+    were checked against each other when they were written (``decode_problem``)."""
 
 
 @dataclass(frozen=True)
@@ -427,10 +429,10 @@ def check_pair(main: LoadedGraph, decode: LoadedGraph) -> None:
                                "not the two graphs of one export; re-export both")
     _check_same_inputs(main, decode)
     if main.fingerprint is None:
-        warnings.warn(f"{main.path} and {decode.path} carry no fingerprint (exported before "
-                      "gdn-fx stamped its graphs): their shapes match, whether they hold the "
-                      "same weights cannot be checked; re-export to check it", UnverifiedPair,
-                      stacklevel=3)
+        warnings.warn(f"{main.path} and {decode.path} carry no fingerprint (written before "
+                      "gdn-fx stamped its graphs, or by the generalize route, which does not "
+                      "yet): their shapes match, whether they hold the same weights cannot "
+                      "be checked", UnverifiedPair, stacklevel=3)
 
 
 def _check_same_inputs(main: LoadedGraph, decode: LoadedGraph) -> None:
