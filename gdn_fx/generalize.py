@@ -388,7 +388,7 @@ def _is_int(leaf: Any) -> bool:
     return isinstance(leaf, int) and not isinstance(leaf, bool) and 0 < abs(leaf) < LENGTH_CAP
 
 
-def _slice_extents(node: fx.Node) -> Optional[int]:
+def _slice_extent(node: fx.Node) -> Optional[int]:
     """The extent a slice node cuts along its axis (None when unknown or symbolic)."""
     source = node.args[0] if node.args else None
     val = source.meta.get("val") if isinstance(source, fx.Node) else None
@@ -409,24 +409,23 @@ def _refuse_windows(modules: list, points: list, sites: list) -> None:
     for position, node in enumerate(graphs[0]):
         if node.op != "call_function" or _opname(node) != "slice":
             continue
-        extents = [_slice_extents(g[position]) for g in graphs]
+        extents = [_slice_extent(g[position]) for g in graphs]
         affine = None if None in extents else fit_affine(points, extents)
         if affine is None or affine[:2] == (0, 0) or min(affine[:2]) < 0:
             continue
         shortest = affine[0] + affine[2]
         for index in (2, 3):
             bound = node.args[index] if len(node.args) > index else None
-            if (node.name, ((0, index))) in made or not _is_int(bound) or abs(bound) <= shortest:
+            if (node.name, (0, index)) in made or not _is_int(bound) or abs(bound) <= shortest:
                 continue
             what = {(2, True): "keeps the last", (2, False): "drops the first",
                     (3, True): "drops the last", (3, False): "keeps the first"}[index, bound < 0]
             raise GeneralizeRefused(
                 f"node {_where(node)} {what} {abs(bound)} positions of an axis of "
-                f"{_spell(affine)} "
-                f"({extents} at (S, P) = {points}): a window of {abs(bound)} positions, whose "
-                f"result changes where S + P crosses {abs(bound)}; no single program serves "
-                "every S and P (export with a fixed length, or keep the whole cache and mask "
-                "the window)")
+                f"{_spell(affine)} ({extents} at (S, P) = {points}): a window of "
+                f"{abs(bound)} positions, whose result changes where {_spell(affine)} "
+                f"crosses {abs(bound)}; no single program serves every S and P (export with "
+                "a fixed length, or keep the whole cache and mask the window)")
 
 
 def length_literals(graph: fx.Graph, sites: Sequence[Site] = ()) -> list:
