@@ -45,8 +45,9 @@ from gdn_fx.passes.program import ASSERT_META, dtype, fake_mode_of, is_pure, sha
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
-from gdn_fx.passes.step_meaning import (Float64, TOLERANCE, evaluable, layouts_for,
-                                        reference_step)
+from gdn_fx.passes.evaluator import (Float64, copy_constant, covering_points, evaluable, named,
+                                     rel, switches)
+from gdn_fx.passes.step_meaning import TOLERANCE, layouts_for, reference_step
 
 NAME = "gated_delta_scan"
 ATEN = torch.ops.aten
@@ -565,17 +566,10 @@ def cut_out(cut: Cut, order: dict) -> fx.Graph:
     for node in sorted(cut.nodes, key=order.__getitem__):
         for arg in node.all_input_nodes:
             if arg not in env and arg not in cut.nodes:
-                _copy_constant(graph, arg, env)
+                copy_constant(graph, arg, env)
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output((env[cut.value], env[cut.final] if cut.final is not None else None))
     return graph
-
-
-def _copy_constant(graph: fx.Graph, node: fx.Node, env: dict) -> None:
-    for inner in node.all_input_nodes:
-        if inner not in env:
-            _copy_constant(graph, inner, env)
-    env[node] = graph.node_copy(node, lambda n: env[n])
 
 
 def _draw(dims, gen: torch.Generator) -> torch.Tensor:
@@ -603,10 +597,16 @@ def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
         except Exception as error:  # noqa: BLE001 (a region that does not run on its own)
             return Verdict(cut, fit, where=f"the region does not run on its own: {error}")
         points.append((ins, got))
-    prefix, prepared = [], {}
+    found = switches(graph)
+    try:  # points that reach both sides of each clamp, where, comparison... (evaluator.py)
+        points += covering_points(owner, graph, points[0][0], found)
+    except NoMatch as miss:
+        return Verdict(cut, fit, where=miss.reason)
+    # a switch may act on any entry: the rule is then run for every head, not two
+    prefix, prepared, every = [], {}, bool(found)
     for i, layout in enumerate(fit.layouts):
         error, _, scale, _ = _score(layout, fit, cut, points, PREFIX, explain=False,
-                                    prepared=prepared)
+                                    prepared=prepared, every=every)
         prefix.append((error, i, layout, scale))
     prefix.sort(key=lambda item: item[:2])
     survivors = [(lay, c) for error, _, lay, c in prefix if error <= TOLERANCE]
@@ -614,16 +614,20 @@ def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
     # the others along the whole sequence, at the scale the first positions gave
     for layout, c in survivors or [prefix[0][2:]]:
         out_error, state_error, scale, where = _score(layout, fit, cut, points, fit.length,
-                                                      scale=c, prepared=prepared)
+                                                      scale=c, prepared=prepared,
+                                                      every=every)
         if out_error <= TOLERANCE and state_error <= TOLERANCE:
             return Verdict(cut, fit, layout.with_scale(scale), out_error, state_error)
         if out_error + state_error < best.out_error + best.state_error:
             best = Verdict(cut, fit, None, out_error, state_error, where, bool(survivors))
+    if found:
+        best.where = "; ".join(filter(None, (best.where, named(found))))
     return best
 
 
 def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool = True,
-           scale: Optional[float] = None, prepared: Optional[dict] = None):
+           scale: Optional[float] = None, prepared: Optional[dict] = None,
+           every: bool = False):
     """(output error, final-state error, scale, where the output first differs) of the
     region against the delta rule under ``layout`` along the first ``steps`` positions; the
     output scale is fitted unless given. The rule is run for the first and last batch entry
@@ -632,14 +636,14 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
     by the heads they are sliced at, shared by the layouts of one region."""
     steps = min(steps, fit.length)
     batch = fit.state_shape[:-2]
-    heads = _heads_checked(layout, batch)
+    heads = _heads_checked(layout, batch, every)
     key_heads = [layout.key_head(h) for h in heads]
     lasts = tuple(key_heads if i in (layout.roles["q"], layout.roles["k"]) else heads
                   for i in range(len(fit.groups)))
     prepared = {} if prepared is None else prepared
     key = (steps, tuple(heads), tuple(map(tuple, lasts)))
     if key not in prepared:
-        prepared[key] = _at_heads(fit, cut, points, steps, heads, lasts)
+        prepared[key] = _at_heads(fit, cut, points, steps, heads, lasts, every)
     if prepared[key] is None:
         return float("inf"), float("inf"), 1.0, ""
     s, reads, gots = prepared[key]
@@ -650,11 +654,12 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
     refs = torch.stack(refs)
     if gots[0].numel() != refs[:, 0].numel():
         return float("inf"), float("inf"), 1.0, ""
-    return _errors(refs, gots, s, points, fit, batch, heads, steps, scale,
+    return _errors(refs, gots, s, points, fit, (batch, heads, every), steps, scale,
                    _chunk_size(cut) if explain else None)
 
 
-def _at_heads(fit: Fit, cut: Cut, points, steps: int, heads: list, lasts: tuple):
+def _at_heads(fit: Fit, cut: Cut, points, steps: int, heads: list, lasts: tuple,
+              every: bool):
     """(initial states, reads, outputs) of the points at the heads run and their first
     ``steps`` positions, the points stacked on a new axis in front of states and reads;
     None when an output position does not hold one row per state."""
@@ -664,19 +669,19 @@ def _at_heads(fit: Fit, cut: Cut, points, steps: int, heads: list, lasts: tuple)
         by_node = dict(zip(cut.inputs, ins))
         s = by_node[fit.state] if fit.state is not None else \
             torch.zeros(fit.state_shape, dtype=torch.float64)
-        starts.append(_some(s, batch, heads))
+        starts.append(_some(s, batch, heads, every=every))
         # each sequence with its first ``steps`` positions in front
-        seqs.append([_some(by_node[n].movedim(axis, 0)[:steps], batch, last, first=1)
+        seqs.append([_some(by_node[n].movedim(axis, 0)[:steps], batch, last, 1, every)
                      for (n, axis), last in zip(fit.groups, lasts)])
         got = value.movedim(fit.value_axis, 0)[:steps]
         if got[0].numel() % math.prod(batch):
             return None
-        gots.append(_some(got.reshape(steps, *batch, -1), batch, heads, first=1))
+        gots.append(_some(got.reshape(steps, *batch, -1), batch, heads, 1, every))
     reads = [torch.stack(group, 1) for group in zip(*seqs)]  # [steps, points, ...]
     return torch.stack(starts), reads, gots
 
 
-def _errors(refs, gots, finals, points, fit: Fit, batch, heads, steps: int, scale, chunk):
+def _errors(refs, gots, finals, points, fit: Fit, entries, steps: int, scale, chunk):
     """The worst output and final-state errors over the points, the output scale (fitted
     at the first point unless given), where the output first differs (``chunk``: None, not
     asked)."""
@@ -688,41 +693,48 @@ def _errors(refs, gots, finals, points, fit: Fit, batch, heads, steps: int, scal
             (got * ref).sum().item() / max((ref * ref).sum().item(), 1e-300)
         scales.append(c)
         error = (got - c * ref).abs()
-        worst_o = max(worst_o, error.max().item() / max(ref.abs().max().item() * abs(c), 1e-30))
+        o_error = error.max().item() / max(ref.abs().max().item() * abs(c), 1e-30)
+        worst_o = max(worst_o, o_error if math.isfinite(o_error) else float("inf"))
         if chunk is not None and not where and worst_o > TOLERANCE:
             where = _first_wrong(error, ref, c, chunk)
         if steps == fit.length and final is not None:
-            worst_s = max(worst_s, _rel(_some(final.reshape(fit.state_shape), batch, heads),
-                                        finals[i]))
+            batch, heads, every = entries
+            worst_s = max(worst_s, rel(_some(final.reshape(fit.state_shape), batch, heads,
+                                             every=every), finals[i]))
     if abs(scales[0] - scales[-1]) > TOLERANCE * max(abs(scales[0]), 1e-30) or scales[0] == 0:
         worst_o = max(worst_o, 1.0)
     return worst_o, worst_s, scales[0], where
 
 
-def _some(x: torch.Tensor, batch, last: list, first: int = 0) -> torch.Tensor:
+def _some(x: torch.Tensor, batch, last: list, first: int = 0, every: bool = False
+          ) -> torch.Tensor:
     """``x`` (axes from ``first`` on: the state's batch) at the first and last entry of each
     batch axis but the heads (the last), there at the entries ``last``: a slip that spares
-    some heads still shows, and translation validation then runs every head."""
+    some heads still shows, and translation validation then runs every head. ``every``:
+    every entry of the other batch axes."""
     for axis, size in enumerate(batch):
-        index = last if axis == len(batch) - 1 else sorted({0, size - 1})
+        index = last if axis == len(batch) - 1 else \
+            list(range(size)) if every else sorted({0, size - 1})
         x = x.index_select(first + axis, torch.tensor(index))
     return x
 
 
-def _heads_checked(layout: Layout, batch) -> list:
+def _heads_checked(layout: Layout, batch, every: bool = False) -> list:
     """The value heads the rule is run for: the first and the last; under GQA head 1 too,
     where grouped (h // G) and tiled (h % Hk) key heads differ (at 0 and the last they
-    agree)."""
+    agree). ``every``: all of them."""
     if not batch:
         return []
     count = batch[-1]
+    if every:
+        return list(range(count))
     return sorted({0, count - 1} | ({1} if layout.key_heads is not None else set()))
 
 
 def _first_wrong(error: torch.Tensor, ref: torch.Tensor, c: float, chunk: int) -> str:
     scale = max(ref.abs().max().item() * abs(c), 1e-30)
     per_position = error.reshape(error.shape[0], -1).max(-1).values / scale
-    t = int((per_position > TOLERANCE).nonzero()[0])
+    t = int((~(per_position <= TOLERANCE)).nonzero()[0])  # NaN counts as wrong
     if chunk and t and t % chunk == 0:
         return f"the output first differs at position {t}, the start of chunk {t // chunk}: " \
                "the chunks before it agree, the state they hand on does not"
@@ -738,12 +750,6 @@ def _chunk_size(cut: Cut) -> int:
         if node.target is ATEN.cumsum.default:
             return shape(node)[node.args[1] % len(shape(node))]
     return 0
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() != b.numel():
-        return float("inf")
-    return (a.reshape(b.shape) - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
 
 
 def _not_delta(verdict: Verdict) -> str:

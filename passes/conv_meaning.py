@@ -40,7 +40,8 @@ from torch import fx
 from gdn_fx.passes.program import ASSERT_META, add_node, dtype, fake_mode_of, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
-from gdn_fx.passes.step_meaning import Float64, evaluable
+from gdn_fx.passes.evaluator import (Float64, copy_constant, covering_points, evaluable, named,
+                                     rel, switches)
 
 NAME = "causal_conv1d_update"
 CONV_OP = torch.ops.gdn_fx.causal_conv1d_update.default
@@ -322,20 +323,12 @@ def cut_out(region: Region) -> fx.GraphModule:
     if region.bias is not None:
         env[region.bias] = graph.placeholder("bias")
     for const in region.consts:
-        _copy_constant(graph, const, env)
+        copy_constant(graph, const, env)
     for node in region.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output((env[region.out], env[region.state], *[env[e] for e in region.exits]))
     owner = region.out.graph.owning_module or torch.nn.Module()
     return fx.GraphModule(owner, graph)
-
-
-def _copy_constant(graph: fx.Graph, node: fx.Node, env: dict) -> None:
-    if node in env:
-        return
-    for inner in node.all_input_nodes:
-        _copy_constant(graph, inner, env)
-    env[node] = graph.node_copy(node, lambda n: env[n])
 
 
 def update64(x, s, w, b, activation):
@@ -385,10 +378,8 @@ def _seq(dims, layout) -> int:
 
 
 def _rel(a, b) -> float:
-    if a.shape != b.shape:
-        return float("inf")
-    scale = max(b.abs().max().item(), 1e-30) if b.numel() else 1.0
-    return (a - b).abs().max().item() / scale if a.numel() else 0.0
+    """evaluator.rel of tensors of one shape (inf for other shapes: a transposed state)."""
+    return rel(a, b) if a.shape == b.shape else float("inf")
 
 
 def decide(region: Region) -> Verdict:
@@ -408,6 +399,11 @@ def decide(region: Region) -> Verdict:
         except Exception as error:  # noqa: BLE001 (a region that does not run is no update)
             return Verdict(region, reason=f"the region does not run on its own: {error}")
         draws.append((before, got))
+    found = switches(module.graph)
+    try:  # points that reach both sides of each clamp, where, comparison... (evaluator.py)
+        draws += covering_points(module, module.graph, draws[0][0], found)
+    except NoMatch as miss:
+        return Verdict(region, reason=miss.reason)
     x_kinds = _layouts(shape(region.x), channels, ("bct", "btc", "bc"))
     s_kinds = [k for k in _layouts(shape(region.state), channels, ("cw", "wc"))
                if shape(region.state)[2 if k == "cw" else 1] in (kernel - 1, kernel)]
@@ -425,6 +421,8 @@ def decide(region: Region) -> Verdict:
             return verdict
         if verdict.error < best.error:
             best = verdict
+    if found:
+        best.reason = f"{best.reason}; {named(found)}"
     return best
 
 

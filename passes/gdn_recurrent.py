@@ -245,10 +245,12 @@ def _nearest_miss(last: Step, candidates: list, loop: Loop, t, tags, cluster, or
 
 def _not_delta(step: Step, outcome: Outcome) -> str:
     if outcome.hint:
-        return f"step {step.t} is not the delta rule: {outcome.hint}"
-    return (f"step {step.t} is not the delta rule under any layout its shapes allow: the "
-            f"nearest differs by {outcome.state_error:.2g} in the new state and "
-            f"{outcome.out_error:.2g} in the output (relative, float64)")
+        text = f"step {step.t} is not the delta rule: {outcome.hint}"
+    else:
+        text = (f"step {step.t} is not the delta rule under any layout its shapes allow: the "
+                f"nearest differs by {outcome.state_error:.2g} in the new state and "
+                f"{outcome.out_error:.2g} in the output (relative, float64)")
+    return f"{text}; {outcome.switches}" if outcome.switches else text
 
 
 def _check_steps(loop: Loop):
@@ -284,9 +286,7 @@ def _same_meta(a: fx.Node, b: fx.Node) -> bool:
 
 
 def _same_layout(step: Step, got, want) -> None:
-    if (got.roles, got.key_first, got.log_gate, got.key_heads, got.tiled) != (
-            want.roles, want.key_first, want.log_gate, want.key_heads, want.tiled) or \
-            abs(got.scale - want.scale) > 1e-9 * abs(want.scale):
+    if not got.same_as(want) or abs(got.scale - want.scale) > 1e-9 * abs(want.scale):
         raise NoMatch(f"step {step.t} is the delta rule in another layout ({got.describe()}) "
                       f"than the steps after it ({want.describe()})", node=step.out, step=step.t)
 

@@ -51,9 +51,17 @@ class Layout:
     # then handed q and k repeated so, outside it). None: q and k have the state's heads.
     key_heads: Optional[int] = None
     tiled: bool = False
+    # q and k L2-normalized inside the step (x * rsqrt(sum(x * x) + 1e-6), the op's own
+    # qk_l2norm): the op is then handed the q and k the loop reads, with qk_l2norm set.
+    qk_l2norm: bool = False
 
     def with_scale(self, scale: float) -> "Layout":
         return replace(self, scale=scale)
+
+    def same_as(self, other: "Layout") -> bool:
+        """The same layout, whatever the scale each was measured at (every other field
+        counts, also one added later)."""
+        return replace(self, scale=1.0) == replace(other, scale=1.0)
 
     def key_head(self, head: int) -> int:
         """The key head that value head ``head`` reads."""
@@ -68,7 +76,8 @@ class Layout:
         gate = "log gate" if self.log_gate else "decay"
         heads = "" if self.key_heads is None else \
             f", q and k on {self.key_heads} heads ({'tiled' if self.tiled else 'grouped'})"
-        return f"{state} state, {gate}, scale {self.scale:.6g}{heads}"
+        norm = ", q and k L2-normalized in the step" if self.qk_l2norm else ""
+        return f"{state} state, {gate}, scale {self.scale:.6g}{heads}{norm}"
 
 
 def group_features(read_shape: list, state_shape) -> Optional[list]:
@@ -125,9 +134,11 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
              list(layout.features[layout.roles[role]])) for role in sources}
     odd = {role for role, (source, time_axis) in sources.items()
            if not _standard(source, time_axis, head_major, wants[role])}
-    if odd & {"q", "k"} or layout.tiled:  # q and k are peeled together (l2norm, scale, GQA):
-        odd |= {"q", "k"}  # undo both; tiled heads are repeated from what the loop reads
-        ops.qk_l2norm, ops.scale = False, layout.scale
+    # q and k are peeled together (l2norm, scale, GQA): undo both; tiled heads are repeated
+    # from what the loop reads; a step that normalizes them itself takes them as it reads them
+    if odd & {"q", "k"} or layout.tiled or layout.qk_l2norm:
+        odd |= {"q", "k"}
+        ops.qk_l2norm, ops.scale = layout.qk_l2norm, layout.scale
     for role in odd:
         source, time_axis = sources[role]
         ops.nodes[role] = _peel_casts(source)

@@ -22,6 +22,9 @@ from typing import Optional
 import torch
 from torch import fx
 
+from gdn_fx.passes.evaluator import (Float64, copy_constant, covering_points, evaluable, named,
+                                     rel, switches)
+from gdn_fx.reference import l2norm
 from gdn_fx.passes.layouts import ROLE_SETS, Layout, group_features, group_heads
 from gdn_fx.passes.loops import time_read
 from gdn_fx.passes.program import shape, val
@@ -33,7 +36,6 @@ TOLERANCE = 1e-9
 # tensor's, so looser than TOLERANCE: the screen must not drop a layout that fits.
 SCREEN = 1e-6
 POINTS = 2
-FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SEED = 1201
 
 
@@ -46,6 +48,7 @@ class Outcome:
     out_error: float = float("inf")
     hint: str = ""
     nearest: Optional[Layout] = None  # the layout closest to the body, when none fits
+    switches: str = ""  # the body's operations that switch on data values, when none fits
 
 
 def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.Graph:
@@ -66,58 +69,12 @@ def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.Graph:
             raise NoMatch(f"step {step.t} reads {node.name}, a tensor from outside the loop "
                           "that is neither the state nor read position by position",
                           node=node, step=step.t)
-        _copy_constant(graph, node, env)
+        copy_constant(graph, node, env)
     for node in step.body:
         env[node] = graph.node_copy(node, lambda n: env[n])
     results = (env[final] if final is not None else None, env[step.out])
     graph.output(results)
     return graph
-
-
-def evaluable(node: fx.Node, depth: int = 0) -> bool:
-    """A value computed from nothing but literals and module attributes (zeros, full, ...)."""
-    if node.op == "get_attr":
-        return True
-    if node.op != "call_function" or depth > 8:
-        return False
-    return all(evaluable(a, depth + 1) for a in node.all_input_nodes)
-
-
-def _copy_constant(graph: fx.Graph, node: fx.Node, env: dict) -> None:
-    for inner in node.all_input_nodes:
-        if inner not in env:
-            _copy_constant(graph, inner, env)
-    env[node] = graph.node_copy(node, lambda n: env[n])
-
-
-class Float64(fx.Interpreter):
-    """Runs a graph with every floating dtype it names replaced by float64 (the step and conv
-    rules evaluate regions so, to tell the rule's value from rounding)."""
-
-    def call_function(self, target, args, kwargs):
-        args = tuple(_wide(a) for a in args)
-        kwargs = {k: _wide(v) for k, v in kwargs.items()}
-        result = super().call_function(target, args, kwargs)
-        if isinstance(result, torch.Tensor) and result.is_floating_point() and \
-                result.dtype is not torch.float64 and not _has_tensor((args, kwargs)):
-            result = result.double()  # a factory in the default dtype (zeros without dtype=)
-        return result
-
-
-def _wide(value):
-    return torch.float64 if isinstance(value, torch.dtype) and value in FLOATS else value
-
-
-def _has_tensor(value) -> bool:
-    """Whether a call's arguments hold a tensor (aten arguments nest in lists and tuples
-    only; torch's pytree walk costs ~10x this on a region of 10^3 calls)."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
-    return False
 
 
 def _draw(like, gen: torch.Generator) -> torch.Tensor:
@@ -149,6 +106,18 @@ def decide(step, final: Optional[fx.Node], groups: list,
         return s0, ins, Float64(owner, graph=graph).run(s0.clone(), *[x.clone() for x in ins])
 
     points = [point()]
+    # points that reach both sides of each clamp, where, comparison... (evaluator.py)
+    found = switches(graph)
+    points += [(ins[0], ins[1:], got) for ins, got in
+               covering_points(owner, graph, [points[0][0], *points[0][1]], found)]
+    outcome = _decide_at(points, point, candidates, final, expect, search)
+    if outcome.layout is None:
+        outcome.switches = named(found)
+    return outcome
+
+
+def _decide_at(points: list, point, candidates: list, final, expect, search) -> Outcome:
+    """``decide`` once the first points are drawn (``point`` draws more)."""
     if expect is not None:  # one point: the scale must come out as the expected one
         outcome = _score(replace(expect, scale=1.0), points, final is not None)
         fits = outcome.layout is not None and \
@@ -157,18 +126,21 @@ def decide(step, final: Optional[fx.Node], groups: list,
             return outcome if fits else Outcome(None, outcome.state_error, max(
                 outcome.out_error, TOLERANCE * 2), nearest=expect)
     points += [point() for _ in range(POINTS - 1)]
-    found = _screened_search(candidates, points, final is not None)
-    if found is not None:
-        return found
+    # q and k normalized inside the step (the op's own qk_l2norm), tried when nothing else fits
+    normed = [replace(lay, qk_l2norm=True) for lay in candidates if "kb" not in lay.roles]
     best, state_fits = Outcome(None), []
-    for layout in candidates:
-        outcome = _score(layout, points, final is not None)
-        if outcome.layout is not None:
-            return outcome
-        if (outcome.state_error, outcome.out_error) < (best.state_error, best.out_error):
-            best = outcome
-        if final is not None and outcome.state_error <= TOLERANCE:
-            state_fits.append(layout)
+    for pool in (candidates, normed):
+        found = _screened_search(pool, points, final is not None)
+        if found is not None:
+            return found
+        for layout in pool:
+            outcome = _score(layout, points, final is not None)
+            if outcome.layout is not None:
+                return outcome
+            if (outcome.state_error, outcome.out_error) < (best.state_error, best.out_error):
+                best = outcome
+            if final is not None and outcome.state_error <= TOLERANCE:
+                state_fits.append(layout)
     best.hint = _hint(state_fits, points)
     return best
 
@@ -274,6 +246,8 @@ def reference_step(layout: Layout, s0, ins):
     s = s0 if layout.key_first else s0.transpose(-1, -2)
     decay = x["g"].exp() if layout.log_gate else x["g"]
     decay = decay[..., None] if decay.dim() > len(batch) else decay[..., None, None]
+    if layout.qk_l2norm:
+        x["q"], x["k"] = l2norm(x["q"]), l2norm(x["k"])
     x["decayed"] = s = s * decay
     delta = x["v"] - (s * x["k"][..., :, None]).sum(-2)
     if "beta" in x:
@@ -296,17 +270,12 @@ def _per_value_head(read: torch.Tensor, features: bool, layout: Layout, batch):
     return read.index_select(len(batch) - 1, index)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = max(b.abs().max().item(), 1e-30)
-    return (a - b).abs().max().item() / scale
-
-
 def _score(layout: Layout, points, with_state: bool, tolerance: float = TOLERANCE) -> Outcome:
     worst_s, worst_o, scales = 0.0, 0.0, []
     for s0, ins, (s_got, o_got) in points:
         s_ref, o_ref, _, _ = reference_step(layout, s0, ins)
         if with_state:
-            worst_s = max(worst_s, _rel(s_got, s_ref))
+            worst_s = max(worst_s, rel(s_got, s_ref))
             if worst_s > 1e-3:  # far off: the output would not make it fit
                 return Outcome(None, worst_s, float("inf"), nearest=layout)
         o_got = o_got.reshape(o_ref.shape) if o_got.numel() == o_ref.numel() else None
@@ -314,7 +283,7 @@ def _score(layout: Layout, points, with_state: bool, tolerance: float = TOLERANC
             return Outcome(None, worst_s, float("inf"), nearest=layout)
         c = (o_got * o_ref).sum().item() / max((o_ref * o_ref).sum().item(), 1e-300)
         scales.append(c)
-        worst_o = max(worst_o, _rel(o_got, c * o_ref))
+        worst_o = max(worst_o, rel(o_got, c * o_ref))
     if abs(scales[0] - scales[-1]) > tolerance * max(abs(scales[0]), 1e-30) or scales[0] == 0:
         worst_o = max(worst_o, 1.0)
     if worst_s <= tolerance and worst_o <= tolerance:
@@ -334,6 +303,6 @@ def _hint(state_fits: list, points) -> str:
                 continue
             got = o_got.reshape(readout.shape)
             c = (got * readout).sum().item() / max((readout * readout).sum().item(), 1e-300)
-            if _rel(got, c * readout) <= 1e-6:
+            if rel(got, c * readout) <= 1e-6:
                 return "the readout reads the state before the update, expected after"
     return ""

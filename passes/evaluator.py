@@ -1,0 +1,343 @@
+"""Running a cut-out region in float64, at points that reach both sides of every switch.
+
+The meaning rules (step_meaning.py, chunk_meaning.py, conv_meaning.py) decide what a region
+computes by cutting it out as a small graph and running it in float64 at drawn points beside
+a reference. This module is what they share:
+
+- ``Float64`` runs a region graph with every floating dtype it names widened to float64;
+- ``evaluable`` / ``copy_constant``: the values a region computes from literals alone, and
+  how they are copied into the cut-out graph;
+- ``covering_points``: the extra points a region needs when it holds an operation whose
+  result switches on data values.
+
+Why the last one: an operation such as clamp, where, maximum, relu, abs, sign or a
+comparison computes one function on one side of a threshold and another on the other side.
+Random draws that never reach the threshold (a state clamped at +-20 while draws stay in
+[-1, 1]) cannot tell the region from the reference on the side they do reach, and a region
+that equals the delta rule only below the threshold would fuse. So every such operation
+whose switch depends on the region's inputs must be SEEN ON BOTH SIDES by the points the
+region is scored at: the inputs are scaled (all together, then each alone, by growing and
+shrinking powers of 4) until every switch has been crossed, and those scaled points join the
+scored ones. The references have no switches of their own, so a region passes only where
+its switches change nothing (``where(c, S, S)``). A switch no scaling reaches, and an
+operation that rounds or selects by value (floor, max over an axis, sort, ...), make the
+region not the op: the near-miss names the node. A region with no switch costs one scan of
+its nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import fx
+
+from gdn_fx.passes.result import NoMatch
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+# Input scales tried, in this order, until every switch is seen on both sides: near 1 first
+# (the smallest change of the region's values that crosses a threshold), up to 4^8 and down
+# to 4^-12 (thresholds at 1e4, and at an epsilon of 1e-6), each with both signs (a gate of
+# two entries drawn positive crosses clamp(min=-5) only when flipped).
+LADDER = (-1.0,) + tuple(sign * 4.0 ** (s * i) for i in range(1, 13) for s in (1, -1)
+                         if s * i <= 8 for sign in (1, -1))
+
+
+class Float64(fx.Interpreter):
+    """Runs a graph with every floating dtype it names replaced by float64 (the meaning
+    rules evaluate regions so, to tell the rule's value from rounding)."""
+
+    def call_function(self, target, args, kwargs):
+        args = tuple(_wide(a) for a in args)
+        kwargs = {k: _wide(v) for k, v in kwargs.items()}
+        result = super().call_function(target, args, kwargs)
+        if isinstance(result, torch.Tensor) and result.is_floating_point() and \
+                result.dtype is not torch.float64 and not _has_tensor((args, kwargs)):
+            result = result.double()  # a factory in the default dtype (zeros without dtype=)
+        return result
+
+
+def _wide(value):
+    return torch.float64 if isinstance(value, torch.dtype) and value in FLOATS else value
+
+
+def _has_tensor(value) -> bool:
+    """Whether a call's arguments hold a tensor (aten arguments nest in lists and tuples
+    only; torch's pytree walk costs ~10x this on a region of 10^3 calls)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    return False
+
+
+def evaluable(node: fx.Node, depth: int = 0) -> bool:
+    """A value computed from nothing but literals and module attributes (zeros, full, ...)."""
+    if node.op == "get_attr":
+        return True
+    if node.op != "call_function" or depth > 8:
+        return False
+    return all(evaluable(a, depth + 1) for a in node.all_input_nodes)
+
+
+def copy_constant(graph: fx.Graph, node: fx.Node, env: dict) -> None:
+    """Copy ``node`` (``evaluable``) and what it is computed from into ``graph``."""
+    if node in env:
+        return
+    for inner in node.all_input_nodes:
+        copy_constant(graph, inner, env)
+    env[node] = graph.node_copy(node, lambda n: env[n])
+
+
+# --- switches ------------------------------------------------------------------------------
+
+def _at(args, kwargs, index: int, name: str, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def _bounds(*names_at):
+    """Predicates x < bound for each bound the call gives (clamp's min and max, ...)."""
+    def tests(args, kwargs, result):
+        found = [_at(args, kwargs, i, name, default) for name, i, default in names_at]
+        return [args[0] < b for b in found if b is not None]
+    return tests
+
+
+def _fixed(*bounds):
+    """Predicates x < bound for an activation's own fixed bounds (relu6's 0 and 6, ...)."""
+    return lambda args, kwargs, result: [args[0] < b for b in bounds]
+
+
+def _sign(args, kwargs, result):
+    return [args[0] > 0]
+
+
+def _shrink(args, kwargs, result):
+    lambd = _at(args, kwargs, 1, "lambd", 0.5)
+    return [args[0] > lambd, args[0] < -lambd]
+
+
+def _pair(args, kwargs, result):
+    return [torch.as_tensor(args[0]) < torch.as_tensor(args[1])]
+
+
+def _condition(index: int):
+    return lambda args, kwargs, result: [torch.as_tensor(args[index]).bool()]
+
+
+# The operand that selects, for the operations that choose between values by a mask: they
+# switch on data only when the mask is made from the data (transformers' chunk form masks
+# with a literal triu).
+CONDITION_AT = {"where": 0, "masked_fill": 1, "masked_scatter": 1}
+
+
+def _result(args, kwargs, result):
+    return [result.bool()]
+
+
+# Each operation whose result switches on a value of its operands, with the predicates that
+# tell which side an element is on (each must come out both True and False somewhere).
+SWITCHES: dict[str, Callable] = {
+    "clamp": _bounds(("min", 1, None), ("max", 2, None)),
+    "clip": _bounds(("min", 1, None), ("max", 2, None)),
+    "clamp_min": _bounds(("min", 1, None)),
+    "clamp_max": _bounds(("max", 1, None)),
+    "hardtanh": _bounds(("min_val", 1, -1.0), ("max_val", 2, 1.0)),
+    "relu6": _fixed(0.0, 6.0), "hardsigmoid": _fixed(-3.0, 3.0), "hardswish": _fixed(-3.0, 3.0),
+    "threshold": _bounds(("threshold", 1, None)),
+    "relu": _sign, "leaky_relu": _sign, "elu": _sign, "celu": _sign, "selu": _sign,
+    "rrelu": _sign, "prelu": _sign, "abs": _sign, "sign": _sign, "sgn": _sign,
+    "heaviside": _sign,
+    "softshrink": _shrink, "hardshrink": _shrink,
+    "minimum": _pair, "maximum": _pair, "fmin": _pair, "fmax": _pair,
+    **{name: _condition(index) for name, index in CONDITION_AT.items()},
+    "gt": _result, "lt": _result, "ge": _result, "le": _result, "eq": _result, "ne": _result,
+    "greater": _result, "less": _result, "greater_equal": _result, "less_equal": _result,
+    "logical_and": _result, "logical_or": _result, "logical_xor": _result,
+    "logical_not": _result,
+}
+# Operations that round or select by value: no scaling shows both sides of them, and the
+# ops have none, so a region holding one on its inputs' values is not the op.
+SELECTS = frozenset({
+    "floor", "ceil", "round", "trunc", "fix", "frac", "remainder", "fmod", "floor_divide",
+    "nan_to_num", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "signbit",
+    "amax", "amin", "argmax", "argmin", "aminmax", "sort", "argsort", "msort", "topk",
+    "kthvalue", "median", "nanmedian", "mode", "cummax", "cummin", "bucketize",
+    "searchsorted", "histc", "unique", "unique_consecutive", "nonzero", "masked_select",
+})
+
+
+def op_name(node: fx.Node) -> str:
+    """The operation's base name: aten.clamp_.default, torch.clamp and Tensor.clamp_ are
+    all 'clamp'."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet, "__name__", None) or getattr(target, "__name__", None) or \
+        (target if isinstance(target, str) else "")
+    name = name.split(".")[-1]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def _tests_of(node: fx.Node) -> Optional[Callable]:
+    """The predicates of a switching ``node``; None for one that does not switch. max / min
+    with two tensors are the elementwise maximum / minimum; over an axis they select."""
+    name = op_name(node)
+    if name in ("max", "min"):
+        tensors = [a for a in node.args if isinstance(a, fx.Node)]
+        return _pair if len(tensors) == 2 else _selects
+    if name in SELECTS:
+        return _selects
+    if name in SWITCHES:
+        return SWITCHES[name]
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor) and value.dtype is torch.bool:
+        return _result  # a bool made from the data by some other operation
+    return None
+
+
+def _selects(args, kwargs, result):
+    raise AssertionError("selecting operations are refused before running")
+
+
+def switches(graph: fx.Graph) -> dict:
+    """The nodes of a region graph whose result switches on data values reached from its
+    inputs (its placeholders), each with its predicates. Literal-made masks do not count."""
+    data, found = set(), {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            data.add(node)
+        elif node.op in ("call_function", "call_method") and \
+                any(a in data for a in node.all_input_nodes):
+            data.add(node)
+            tests = _tests_of(node)
+            if tests is not None and _selects_by_data(node, data):
+                found[node] = tests
+    return found
+
+
+def named(found: dict) -> str:
+    """What a near-miss says of a failing region's switches ('' when it has none)."""
+    if not found:
+        return ""
+    nodes = ", ".join(f"{n.name} ({op_name(n)})" for n in list(found)[:3])
+    return (f"it holds {nodes}, which switch on data values; it was also run at inputs "
+            "scaled to reach both sides of each")
+
+
+def _selects_by_data(node: fx.Node, data: set) -> bool:
+    index = CONDITION_AT.get(op_name(node))
+    if index is None:
+        return True
+    mask = node.args[index] if len(node.args) > index else None
+    return isinstance(mask, fx.Node) and mask in data
+
+
+def _refuse_selecting(found: dict) -> None:
+    for node, tests in found.items():
+        if tests is _selects:
+            raise NoMatch(f"node {node.name} ({op_name(node)}) rounds or selects by value; "
+                          "the op has no such step", node=node)
+
+
+class _Sides(Float64):
+    """Float64 that records, for each watched node, which sides each of its predicates took:
+    ``seen[node]`` is one set per predicate, of the values (True, False) it came out."""
+
+    def __init__(self, owner, graph, watched: dict, seen: dict):
+        super().__init__(owner, graph=graph)
+        self.watched, self.seen = watched, seen
+
+    def run_node(self, n):
+        result = super().run_node(n)
+        tests = self.watched.get(n)
+        if tests is not None:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            preds = tests(args, kwargs, result)
+            sides = self.seen.setdefault(n, [set() for _ in preds])
+            for side, pred in zip(sides, preds):
+                side.update({True} if pred.all() else {False} if not pred.any() else
+                            {True, False})
+        return result
+
+
+def covering_points(owner: torch.nn.Module, graph: fx.Graph, inputs: list,
+                    found: Optional[dict] = None) -> list:
+    """Extra (inputs, outputs) points at which, together with ``inputs``, every switch of
+    ``graph`` (``switches``) is seen on both sides; [] for a region without switches.
+    Raises NoMatch naming the node when an operation rounds or selects by value, or when no
+    scaling of the inputs reaches both sides of a switch (the region is then not the op)."""
+    found = switches(graph) if found is None else found
+    if not found:
+        return []
+    _refuse_selecting(found)
+    seen: dict = {}
+    _run(owner, graph, found, seen, inputs)
+    extra = []
+    for factor in LADDER:
+        for subset in [range(len(inputs))] + [[i] for i in range(len(inputs))]:
+            if not _uncovered(found, seen):
+                return extra
+            scaled = [x * factor if i in subset else x for i, x in enumerate(inputs)]
+            trial: dict = {}
+            outputs = _run(owner, graph, found, trial, scaled)
+            if outputs is not None and _merge(trial, seen):
+                extra.append((scaled, outputs))
+    node = next(iter(_uncovered(found, seen)), None)
+    if node is None:
+        return extra
+    raise NoMatch(f"node {node.name} ({op_name(node)}) switches on data values, and no "
+                  f"scaling of the inputs (+-4^-12 .. +-4^8) reaches both of its sides: the "
+                  "region equals no op on the side the draws do not reach", node=node)
+
+
+def _run(owner, graph, found: dict, seen: dict, inputs: list):
+    """The region's outputs at ``inputs`` (run on copies), recording the sides in ``seen``;
+    None when it fails or hands out a value that is not finite (no side counts then)."""
+    try:
+        outputs = _Sides(owner, graph, found, seen).run(*[x.clone() for x in inputs])
+    except Exception:  # noqa: BLE001 (a scaling the region cannot run at proves nothing)
+        seen.clear()
+        return None
+    if not all(bool(t.isfinite().all()) for t in _tensors(outputs)):
+        seen.clear()
+        return None
+    return outputs
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _uncovered(found: dict, seen: dict) -> list:
+    """The switches not yet seen on both sides of every predicate (also those not run)."""
+    return [n for n in found if n not in seen or any(len(s) < 2 for s in seen[n])]
+
+
+def _merge(trial: dict, seen: dict) -> bool:
+    """Add ``trial``'s sides to ``seen``; whether it saw one that ``seen`` had not."""
+    added = False
+    for node, sides in trial.items():
+        known = seen.setdefault(node, [set() for _ in sides])
+        for have, new in zip(known, sides):
+            added = added or not new <= have
+            have.update(new)
+    return added
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: the relative error every meaning rule compares with its
+    tolerance. inf when the shapes differ or either holds a value that is not finite."""
+    if a.numel() != b.numel():
+        return float("inf")
+    error = (a.reshape(b.shape) - b).abs().max().item() / max(b.abs().max().item(), 1e-30) \
+        if b.numel() else 0.0
+    return error if math.isfinite(error) else float("inf")
