@@ -171,6 +171,23 @@ def _staged(job):
         yield staged, lambda line: print(_unstaged(line, staged, job), flush=True)
 
 
+@contextlib.contextmanager
+def _pair_warnings_in_one_line(spell=lambda text: text):
+    """The Generator's UnverifiedPair warnings printed as one ``gdn-fx: warning:`` line each
+    (paths through ``spell``), as errors are; other warnings go out as they would have."""
+    from gdn_fx.hf.generator import UnverifiedPair
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnverifiedPair)
+        yield
+    for warning in caught:
+        if issubclass(warning.category, UnverifiedPair):
+            print(f"gdn-fx: warning: {spell(str(warning.message))}", file=sys.stderr)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename,
+                                 warning.lineno)
+
+
 def _unstaged(text: str, staged, job) -> str:
     """``text`` with the staged paths spelled as the final ones."""
     final = "" if str(job.out.parent) == "." else str(job.out.parent) + os.sep
@@ -244,7 +261,8 @@ def _export_generator(job, check: bool) -> int:
     from gdn_fx.pipeline import render_generator, run_generator
 
     with _staged(job) as (staged, say):
-        report = run_generator(staged, say=say, check=check)
+        with _pair_warnings_in_one_line(lambda text: _unstaged(text, staged, job)):
+            report = run_generator(staged, say=say, check=check)
         if report.ok:
             files = report.files
             main = _move_in(files.main, job.out)
@@ -258,7 +276,7 @@ def _export_generator(job, check: bool) -> int:
 def _generate(args) -> int:
     """Greedy tokens in tract; with --check, against transformers on the same model."""
     from gdn_fx.errors import UsageError
-    from gdn_fx.hf.generator import Generator, UnverifiedPair, check_generation
+    from gdn_fx.hf.generator import Generator, check_generation
     from gdn_fx.pipeline import Job, build_model
 
     try:
@@ -273,12 +291,9 @@ def _generate(args) -> int:
     if not args.nnef.exists():
         raise UsageError(f"--nnef {args.nnef} does not exist")
     chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UnverifiedPair)
+    with _pair_warnings_in_one_line():
         generator = Generator.open(args.nnef, use_decode=not args.no_decode,
                                    prefill_chunk=chunk)
-    for warning in caught:  # one line each, as errors are
-        print(f"gdn-fx: warning: {warning.message}", file=sys.stderr)
     result = generator.generate(prompt, args.max_new_tokens, progress=True)
     print("tokens: " + ",".join(map(str, result.tokens)))
     print(f"tract: {result.rates()}")
