@@ -16,7 +16,7 @@ Random draws that never reach the threshold (a state clamped at +-20 while draws
 [-1, 1]) cannot tell the region from the reference on the side they do reach, and a region
 that equals the delta rule only below the threshold would fuse. So every such operation
 whose switch depends on the region's inputs must be SEEN ON BOTH SIDES by the points the
-region is scored at: the inputs are scaled (all together, then each alone, by growing and
+region is scored at: the inputs are scaled (each alone, then all together, by growing and
 shrinking powers of 4) until every switch has been crossed, and those scaled points join the
 scored ones. The references have no switches of their own, so a region passes only where
 its switches change nothing (``where(c, S, S)``). A switch no scaling reaches, and an
@@ -279,7 +279,9 @@ def covering_points(owner: torch.nn.Module, graph: fx.Graph, inputs: list,
     _run(owner, graph, found, seen, inputs)
     extra = []
     for factor in LADDER:
-        for subset in [range(len(inputs))] + [[i] for i in range(len(inputs))]:
+        # one input alone first: scaling them all lets the largest term (a state grown by
+        # exp(64 g)) swamp the difference a clamp on v makes
+        for subset in [[i] for i in range(len(inputs))] + [range(len(inputs))]:
             if not _uncovered(found, seen):
                 return extra
             scaled = [x * factor if i in subset else x for i, x in enumerate(inputs)]
