@@ -10,8 +10,11 @@ the loop's tensor by a permute and, where the axes do not line up, a reshape, em
 the fused node. The state's leading axes are the batch: the last is the op's H, the others
 its B.
 
-To add a layout: a new field here, the shapes it allows in ``group_features`` /
-step_meaning's ``layouts_for``, and what its operands need in ``_adapt``.
+To add a layout: a new field here (``Layout.same_as`` compares every field, so the steps of
+one loop must agree on it without more code), the layouts it allows in step_meaning's
+``layouts_for`` (or a pool tried when the others fail, as ``qk_l2norm``), what the delta rule
+does under it in step_meaning's ``reference_step``, and what its operands need in
+``plan_operands`` / ``_adapt``.
 """
 
 from __future__ import annotations
