@@ -38,21 +38,19 @@ from typing import Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.conv_meaning import base_of, is_mutation
 from gdn_fx.passes.gdn_chunk import chunked_form
 from gdn_fx.passes.layouts import Layout, batch_heads, group_features, plan_operands
-from gdn_fx.passes.program import ASSERT_META, dtype, fake_mode_of, is_pure, shape
+from gdn_fx.passes.program import (ASSERT_META, base_of, dtype, fake_mode_of, is_mutation,
+                                   is_pure, shape)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
-from gdn_fx.passes.evaluator import (Float64, copy_constant, covering_points, evaluable, named,
-                                     rel, switches)
-from gdn_fx.passes.step_meaning import TOLERANCE, layouts_for, reference_step
+from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Float64, copy_constant, seeded,
+                                     covering_points, evaluable, named, rel, switches)
+from gdn_fx.passes.step_meaning import layouts_for, reference_step
 
 NAME = "gated_delta_scan"
 ATEN = torch.ops.aten
-SEED = 1515
-POINTS = 2
 PREFIX = 3  # positions on which every layout is tried before the whole sequence
 END_SCAN = 20000  # nodes after the anchor searched for the region's end
 END_TRIES = 4  # evaluated ends per anchor before giving up (until one agrees)
@@ -588,7 +586,7 @@ def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
                                       "by meaning only in f32 or f64")
     graph = cut_out(cut, order)
     owner = cut.value.graph.owning_module or torch.nn.Module()
-    gen = torch.Generator().manual_seed(SEED)
+    gen = seeded("chunk")
     points = []
     for _ in range(POINTS):
         ins = [_draw(shape(n), gen) for n in cut.inputs]

@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from gdn_fx.errors import InternalError
+from gdn_fx.passes.evaluator import rel
 from gdn_fx.passes.match import Pattern
 from gdn_fx.passes.result import NoMatch
 from gdn_fx.passes.rule_kinds import DeltaKind, kind_named
@@ -120,7 +121,8 @@ def template_scale(shape: ChunkShape) -> float:
         want, want_final = recurrent_delta_rule_reference(
             q.double(), k.double(), v.double(), g.double(), beta.double(), scale=scale,
             initial_state=s0.double())
-        errors[scale] = max(_rel(out.transpose(1, 2), want), _rel(final, want_final))
+        errors[scale] = max(rel(out.transpose(1, 2).double(), want),
+                            rel(final.double(), want_final))
     scale, error = min(errors.items(), key=lambda item: item[1])
     if error > 1e-4:
         raise NoMatch(f"the installed transformers' {shape.family.label} chunk rule does not "
@@ -141,10 +143,6 @@ def _probe(shape: ChunkShape, generator: torch.Generator) -> tuple:
     return (unit(b, t, h, dk), unit(b, t, h, dk), torch.randn(b, t, h, dv, generator=generator),
             -0.5 * torch.rand(gate, generator=generator), torch.rand(b, t, h, generator=generator),
             torch.randn(b, h, dk, dv, generator=generator))
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
 def _cut(graph: fx.Graph) -> dict:

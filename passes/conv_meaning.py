@@ -37,19 +37,17 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from gdn_fx.passes.program import ASSERT_META, add_node, dtype, fake_mode_of, shape
+from gdn_fx.passes.program import (ASSERT_META, add_node, base_of, dtype, fake_mode_of, is_alias,
+                                   is_mutation, shape)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
-from gdn_fx.passes.evaluator import (Float64, copy_constant, covering_points, evaluable, named,
-                                     rel, switches)
+from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Float64, copy_constant, seeded,
+                                     covering_points, evaluable, named, rel, switches)
 
 NAME = "causal_conv1d_update"
 CONV_OP = torch.ops.gdn_fx.causal_conv1d_update.default
 ATEN = torch.ops.aten
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-TOLERANCE = 1e-9
-POINTS = 2
-SEED = 1501
 MAX_KERNEL = 16
 BACK = 60   # nodes before the weight's first reader where the region may start
 AHEAD = 60  # nodes after it where the output may be
@@ -93,26 +91,6 @@ class Verdict:
 
 
 # --- finding candidates ------------------------------------------------------------------
-
-def is_alias(node: fx.Node) -> bool:
-    """The op's result aliases its first argument (a view, or an in-place op's self)."""
-    schema = getattr(node.target, "_schema", None)
-    return bool(node.op == "call_function" and schema is not None and schema.returns
-                and schema.returns[0].alias_info is not None and node.args
-                and isinstance(node.args[0], fx.Node))
-
-
-def is_mutation(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(node.op == "call_function" and schema is not None and schema.is_mutable
-                and node.args and isinstance(node.args[0], fx.Node))
-
-
-def base_of(node: fx.Node) -> fx.Node:
-    while is_alias(node):
-        node = node.args[0]
-    return node
-
 
 def _static(dims) -> bool:
     return dims is not None and all(isinstance(d, int) for d in dims)
@@ -386,7 +364,7 @@ def decide(region: Region) -> Verdict:
     """The layout under which the region is the update, or the nearest miss."""
     module = cut_out(region)
     channels, kernel = shape(region.weight)[0], region.kernel
-    gen = torch.Generator().manual_seed(SEED)
+    gen = seeded("conv")
     draws = []
     for _ in range(POINTS):
         args = [torch.rand(shape(n), generator=gen, dtype=torch.float64) * 2 - 1

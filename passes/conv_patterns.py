@@ -119,12 +119,6 @@ def real_users(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if u.target is not ASSERT_META]
 
 
-def mutates(user: fx.Node, node: fx.Node) -> bool:
-    """Whether ``user`` writes into ``node`` in place (its first argument, mutable schema)."""
-    schema = getattr(user.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable and user.args and user.args[0] is node)
-
-
 def is_cast(node: Any) -> bool:
     """A dtype cast or copy that keeps shape, device and values (up to the dtype)."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in CASTS

@@ -29,11 +29,12 @@ from torch import fx
 
 from gdn_fx.passes.conv_patterns import (
     TIME, ConvCall, Feed, conv_call, conv_nodes, dtype_changes, is_write, known,
-    mutates, number, read_chain, read_feed, real_users, shorten_feed, single, slice_args,
-    start_in, tails,
+    number, read_chain, read_feed, real_users, shorten_feed, single, slice_args, start_in,
+    tails,
 )
 from gdn_fx.passes.conv_meaning import plan_by_meaning
-from gdn_fx.passes.program import add_node, dtype, fake_mode_of, shape, val
+from gdn_fx.passes.program import (add_node, copy_meta, dtype, fake_mode_of, shape, val,
+                                   writes_into)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 
@@ -344,7 +345,7 @@ def _check_state_writes(feed: Feed, conv: ConvCall, found: list, zero_dtype) -> 
             raise NoMatch(f"the state write keeps {full} samples the op rounds through the "
                           f"weight's {weight}", node=tail)
         for user in real_users(tail):
-            if mutates(user, tail):
+            if writes_into(user, tail):
                 raise NoMatch(f"{user.name} writes into the kept samples in place", node=user)
             if is_write(user, tail):
                 ok = dtype(user.args[0]) == state or _lossless(kept, state)
@@ -404,7 +405,7 @@ def _check_unwritten(plan: Plan, order: dict) -> None:
     stop = max(order[n] for n in readers)
     for node in watched:
         for user in node.users:
-            if mutates(user, node) and order[plan.first] <= order[user] <= stop:
+            if writes_into(user, node) and order[plan.first] <= order[user] <= stop:
                 raise NoMatch(f"{user.name} writes {node.name} in place while the region reads "
                               "it", node=user)
 
@@ -416,7 +417,7 @@ def _zero_state(plan: Plan, order: dict) -> Optional[fx.Node]:
             target = user.args[0] if is_write(user, tail) else None
             if _is_zeros(target) and dtype(target) == plan.zero_dtype \
                     and shape(target) == shape(tail) and order[target] < order[plan.first] \
-                    and not any(mutates(u, target) and order[u] < order[plan.first]
+                    and not any(writes_into(u, target) and order[u] < order[plan.first]
                                 for u in target.users):
                 return target
     return None
@@ -450,7 +451,7 @@ def _fusion(plan: Plan, mode) -> Fusion:
                                           plan.ending.activation), mode=mode)
         out = add_node(graph, operator.getitem, (fused, 0), mode=mode)
         new_state = add_node(graph, operator.getitem, (fused, 1), mode=mode)
-        _copy_meta(conv.node, (fused, out, new_state))
+        copy_meta(conv.node, (fused, out, new_state))
         return {"out": out, "new_state": new_state}
 
     replace = {plan.ending.node: "out"}
@@ -471,10 +472,3 @@ def _make_zeros(graph: fx.Graph, plan: Plan, env, mode) -> fx.Node:
     sizes.append(_width(plan.conv))
     return add_node(graph, ATEN.zeros.default, (sizes,),
                     dict(dtype=plan.zero_dtype, device=val(x).device), mode=mode)
-
-
-def _copy_meta(source: fx.Node, nodes) -> None:
-    for node in nodes:
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in source.meta:
-                node.meta[key] = source.meta[key]

@@ -36,6 +36,10 @@ from torch import fx
 from gdn_fx.passes.result import NoMatch
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+TOLERANCE = 1e-9  # a region is its op where it agrees to this, relative, in float64
+POINTS = 2  # random points a region is scored at (and those that reach its switches)
+# One seed per rule: every decision reproducible, the rules' draws independent of each other.
+SEEDS = {"step": 1201, "chunk": 1515, "conv": 1501}
 # Input scales tried, in this order, until every switch is seen on both sides: near 1 first
 # (the smallest change of the region's values that crosses a threshold), up to 4^8 and down
 # to 4^-12 (thresholds at 1e4, and at an epsilon of 1e-6), each with both signs (a gate of
@@ -72,6 +76,11 @@ def _has_tensor(value) -> bool:
     if isinstance(value, dict):
         return any(_has_tensor(v) for v in value.values())
     return False
+
+
+def seeded(rule: str) -> torch.Generator:
+    """The generator a rule draws its points from (``SEEDS``)."""
+    return torch.Generator().manual_seed(SEEDS[rule])
 
 
 def evaluable(node: fx.Node, depth: int = 0) -> bool:

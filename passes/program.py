@@ -78,10 +78,44 @@ def add_node(graph: fx.Graph, target: Callable, args: tuple, kwargs: Optional[di
     return node
 
 
+def copy_meta(source: fx.Node, nodes) -> None:
+    """Give the nodes made for a fusion the source location of the node they stand for."""
+    for node in nodes:
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in source.meta:
+                node.meta[key] = source.meta[key]
+
+
 def mutates(node: fx.Node) -> bool:
     """A call whose op's schema says it writes one of its arguments in place."""
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+def is_mutation(node: fx.Node) -> bool:
+    """A call that writes into its first argument, a node (``x.mul_(...)``, ``copy_``)."""
+    return mutates(node) and node.op == "call_function" and bool(node.args) and \
+        isinstance(node.args[0], fx.Node)
+
+
+def writes_into(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` writes into ``node`` in place (its first argument)."""
+    return is_mutation(user) and user.args[0] is node
+
+
+def is_alias(node: fx.Node) -> bool:
+    """The op's result aliases its first argument (a view, or an in-place op's self)."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(node.op == "call_function" and schema is not None and schema.returns
+                and schema.returns[0].alias_info is not None and node.args
+                and isinstance(node.args[0], fx.Node))
+
+
+def base_of(node: fx.Node) -> fx.Node:
+    """The tensor a chain of views and in-place ops starts from."""
+    while is_alias(node):
+        node = node.args[0]
+    return node
 
 
 def is_pure(node: fx.Node) -> bool:

@@ -17,7 +17,7 @@ from torch import fx
 
 from gdn_fx.passes.operands import Operands
 from gdn_fx.errors import GdnFxError
-from gdn_fx.passes.program import add_node, dtype, in_mode, shape, val
+from gdn_fx.passes.program import add_node, copy_meta, dtype, in_mode, shape, val
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import NoMatch
 
@@ -78,7 +78,7 @@ def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
                        region.final_steps, mode)
         value = _time_to(graph, out, region.axis, mode) if region.out_steps is None else \
             _apply(graph, out, region.out_steps, mode)
-        _copy_meta(region.meta_source, (fused, out, final, value))
+        copy_meta(region.meta_source, (fused, out, final, value))
         return {"out": out, "final": final, "value": value}
 
     drop = region.nodes | set(region.erase)
@@ -150,10 +150,3 @@ def _permute(graph: fx.Graph, node: fx.Node, mode) -> fx.Node:
     rank = len(shape(node))
     return add_node(graph, ATEN.permute.default, (node, [0, 2, 1] + list(range(3, rank))),
                     mode=mode)
-
-
-def _copy_meta(source: fx.Node, nodes) -> None:
-    for node in nodes:
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in source.meta:
-                node.meta[key] = source.meta[key]

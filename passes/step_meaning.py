@@ -22,21 +22,18 @@ from typing import Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.evaluator import (Float64, copy_constant, covering_points, evaluable, named,
-                                     rel, switches)
+from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Float64, copy_constant, seeded,
+                                     covering_points, evaluable, named, rel, switches)
 from gdn_fx.reference import l2norm
 from gdn_fx.passes.layouts import ROLE_SETS, Layout, group_features, group_heads
 from gdn_fx.passes.loops import time_read
 from gdn_fx.passes.program import shape, val
 from gdn_fx.passes.result import NoMatch
 
-TOLERANCE = 1e-9
 # The screen of a layout search (a subset of the heads) passes what is within this of the
 # rule; relative to the subset's own largest value, which may be smaller than the whole
 # tensor's, so looser than TOLERANCE: the screen must not drop a layout that fits.
 SCREEN = 1e-6
-POINTS = 2
-SEED = 1201
 
 
 @dataclass
@@ -98,7 +95,7 @@ def decide(step, final: Optional[fx.Node], groups: list,
         raise NoMatch(f"step {step.t} reads {len(groups)} tensors position by position ("
                       f"{_describe(groups)}) beside a state {list(state.shape)}; no layout of "
                       "q, k, v, gate, beta fits those shapes", node=step.out, step=step.t)
-    gen = torch.Generator().manual_seed(SEED)
+    gen = seeded("step")
 
     def point():
         s0 = _draw(state, gen)
