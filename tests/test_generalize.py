@@ -440,3 +440,28 @@ def test_cli_generalize_takes_no_fixed_length(tmp_path, capsys):
     status = main(["export", "--family", "qwen3_5", "--generalize", "--seq-len", "3",
                    "--out", str(tmp_path / "x.nnef.tgz")])
     assert status == 2 and "--generalize" in capsys.readouterr().err
+
+
+def test_generalize_route_stamps_both_graphs_with_one_fingerprint(tmp_path):
+    """export_generalized writes its pair as export_generator does: staged, then stamped
+    with the export's fingerprint (config and weights), so the Generator runs it without the
+    unverified-pair warning and refuses a decode graph of another export."""
+    import re
+    import warnings
+
+    from gdn_fx.hf import tiny_model
+    from gdn_fx.hf.generalized import export_generalized
+    from gdn_fx.hf.generator import Generator, UnverifiedPair
+    from gdn_fx.hf.nnef import fingerprint
+
+    model = tiny_model("lfm2")
+    files = export_generalized(model, tmp_path / "g.nnef.tgz")
+    assert files.decode is not None, files.note
+    stamps = [re.search(r'"gdn_fx_fingerprint", "(sha256:[0-9a-f]{64})"',
+                        tract_check.nnef_text(p)).group(1) for p in (files.main, files.decode)]
+    assert stamps[0] == stamps[1] == fingerprint(model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.decode.nnef.tgz", "g.nnef.tgz"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnverifiedPair)
+        result = Generator(files.main).generate([1, 2, 3], max_new_tokens=4)
+    assert len(result.tokens) == 4

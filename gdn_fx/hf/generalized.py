@@ -22,8 +22,8 @@ from torch import nn
 
 from gdn_fx.generalize import DEFAULT_POINTS, Generalized, generalize
 from gdn_fx.hf.decode import DecodeStep
-from gdn_fx.hf.generator import GeneratorFiles, decode_path, decode_problem
-from gdn_fx.hf.nnef import prepare_for_nnef
+from gdn_fx.hf.generator import GeneratorFiles, decode_path, decode_problem, place_graphs
+from gdn_fx.hf.nnef import prepare_for_nnef, staging
 
 
 def generalize_step(step: DecodeStep, points: Sequence = DEFAULT_POINTS) -> Generalized:
@@ -50,22 +50,30 @@ def export_generalized(model: nn.Module, path: Union[str, Path], *, decode: bool
     gen = generalize_step(step, points)
     names = dict(input_names=step.input_names, output_names=step.output_names,
                  tract_version=tract_version, choose=choose, weights=weights)
-    say(f"write {path}")
-    main = gen.export_nnef(path, **names)
-    if not decode:
-        return GeneratorFiles(main, None, tuple(step.input_names), tuple(step.output_names),
-                              "not asked for")
+    path = Path(path)
+    finals = [path, decode_path(path)]
+    with staging(path) as folder:  # nothing at path until both graphs are written and checked
+        say(f"write {path}")
+        written = [gen.export_nnef(folder / "graph0.nnef", **names)]
+        note = "not asked for"
+        if decode:
+            written.append(_write_decode(gen, step, folder / "graph1.nnef", finals[1], names,
+                                         say))
+            note = decode_problem(written[1], written[0], step, weights)
+            if note:
+                say(f"decode graph dropped: {note}; the main graph serves decode")
+        kept = finals[:1] if note else finals
+        place_graphs(written[:len(kept)], kept, model, weights)
+    return GeneratorFiles(path, None if note else finals[1], tuple(step.input_names),
+                          tuple(step.output_names), note)
+
+
+def _write_decode(gen: Generalized, step: DecodeStep, folder: Path, final: Path,
+                  names: Mapping, say: Callable[[str], None]) -> Path:
+    """The decode graph (S = 1, symbolic P) of the generalized program."""
     from gdn_fx.export import export_nnef
 
-    target = decode_path(path)
-    say(f"write {target}")
-    past = {k: v for k, v in gen.dynamic_axes(step.input_names).items()
-            if "P" in v.values()}
-    written = export_nnef(gen.decode_program(), target, dynamic_axes=past,
-                          symbol_min={"P": 0}, **names)
-    note = decode_problem(written, main, step, weights)
-    if note:
-        say(f"decode graph dropped: {note}; the main graph serves decode")
-        written.unlink()
-    return GeneratorFiles(main, None if note else written, tuple(step.input_names),
-                          tuple(step.output_names), note)
+    say(f"write {final}")
+    past = {k: v for k, v in gen.dynamic_axes(step.input_names).items() if "P" in v.values()}
+    return export_nnef(gen.decode_program(), folder, dynamic_axes=past, symbol_min={"P": 0},
+                       **names)

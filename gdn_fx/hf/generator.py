@@ -338,7 +338,7 @@ class GenerationResult:
 
 class UnverifiedPair(UserWarning):
     """A main / decode pair without fingerprints (exported before gdn-fx stamped its graphs,
-    or by ``gdn_fx.hf.generalized``, which does not stamp them yet): their shapes are
+    or written by hand with ``export_nnef``): their shapes are
     checked, whether they hold the same weights cannot be. Warned, not refused: such pairs
     were checked against each other when they were written (``decode_problem``)."""
 
@@ -430,9 +430,9 @@ def check_pair(main: LoadedGraph, decode: LoadedGraph) -> None:
     _check_same_inputs(main, decode)
     if main.fingerprint is None:
         warnings.warn(f"{main.path} and {decode.path} carry no fingerprint (written before "
-                      "gdn-fx stamped its graphs, or by the generalize route, which does not "
-                      "yet): their shapes match, whether they hold the same weights cannot "
-                      "be checked", UnverifiedPair, stacklevel=3)
+                      "gdn-fx stamped its graphs, or not by export_generator / "
+                      "export_generalized): their shapes match, whether they hold the same "
+                      "weights cannot be checked", UnverifiedPair, stacklevel=3)
 
 
 def _check_same_inputs(main: LoadedGraph, decode: LoadedGraph) -> None:
