@@ -38,7 +38,6 @@ from piecewise_spellings import (
 from tensors import clone, flat, in_form
 
 SCAN, CONV = "gated_delta_scan", "causal_conv1d_update"
-XFAIL = pytest.mark.xfail(strict=False, reason="issue 30: piecewise detection")
 
 # the words a near-miss about a piecewise op may use: the op (any spelling of it in the
 # graph: clamp, where, a comparison, ...) or the concept
@@ -185,16 +184,6 @@ def test_mutant_differs_past_its_threshold(name):
         assert agree(b.outs(got), rule64(x, scale_of(b)), tol=1e-3), m.change
 
 
-# mutants the piecewise detection (passes/evaluator.py, 84445b6) still gets wrong: a clamp /
-# where on v_t in the transformers and FLA loops (v made head-major f32 before the loop) is
-# fused with the op dropped, the fused node reading v as it came in
-_FAILING_TODAY = {"transformers_v_clamp_20", "fla_naive_v_where_zero_20"}
-
-
-def _marked(names):
-    return [pytest.param(n, marks=XFAIL) if n in _FAILING_TODAY else n for n in names]
-
-
 def _assert_not_the_plain_op(result, program, module, crossing_args, inside, what):
     fused = result.counts.get(SCAN, 0)
     # never wrong: the collapsed program computes the module past the threshold
@@ -208,7 +197,7 @@ def _assert_not_the_plain_op(result, program, module, crossing_args, inside, wha
         assert mentions(result), f"{what}: no near-miss names the op; {report(result)}"
 
 
-@pytest.mark.parametrize("name", _marked([m.name for m in MUTANTS]))
+@pytest.mark.parametrize("name", [m.name for m in MUTANTS])
 def test_mutant_is_not_fused_into_the_plain_op(name):
     m = MUTANT[name]
     module, ep = exported_mutant(name)
@@ -225,7 +214,7 @@ _CORE = sorted({m.piece: m.name for m in MUTANTS
                 if m.site == "state" and m.t == 4 and m.piece in _CORE_KINDS}.values())
 
 
-@pytest.mark.parametrize("name", _marked(_CORE))
+@pytest.mark.parametrize("name", _CORE)
 def test_mutant_is_not_fused_in_core_aten(name):
     m = MUTANT[name]
     module, ep = exported_mutant(name)
@@ -334,7 +323,7 @@ def test_chunk_mutant_is_hidden_and_real(name):
     assert agree(got, rule64(x, DK ** -0.5), tol=1e-3), f"{name}: no difference from rule64"
 
 
-@pytest.mark.parametrize("name", _marked([m.name for m in CHUNK_MUTANTS]))
+@pytest.mark.parametrize("name", [m.name for m in CHUNK_MUTANTS])
 def test_chunk_mutant_is_not_fused(name):
     m = CHUNK_MUTANT[name]
     module = m.module()
@@ -393,7 +382,7 @@ def test_conv_mutant_is_hidden_and_real(name):
     assert agree(eager(m.module(), args), eager(base, args), tol=1e-3), f"{name}: no difference"
 
 
-@pytest.mark.parametrize("name", _marked([m.name for m in CONV_MUTANTS]))
+@pytest.mark.parametrize("name", [m.name for m in CONV_MUTANTS])
 def test_conv_mutant_is_not_fused_into_the_plain_op(name):
     """A conv update is one step: a piecewise op on its input, state or output may be kept
     outside a fused update (then it must be computed), or the update left with a near-miss."""
