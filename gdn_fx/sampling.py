@@ -1,0 +1,172 @@
+"""The next token, chosen as transformers' ``generate`` chooses it.
+
+    sampler = Sampler(Sampling(temperature=0.8, top_k=40, top_p=0.95, seed=1))
+    token = sampler.choose(logits, context)      # logits [vocab], context: prompt + tokens
+
+The processing follows transformers 5's ``GenerationMixin._get_logits_processor``: the
+repetition penalty first (a logits processor, so greedy decoding takes it too), then, only
+when sampling, the warpers temperature, top-k, top-p and min-p in that order; the token is
+drawn from the softmax of what is left. Every step is computed in float32, as ``generate``
+computes the scores (``next_token_logits`` in float32), so the distributions agree to
+rounding (tests/test_sampling.py compares with transformers' own processors).
+
+Greedy is the default: ``temperature == 0`` takes the arg max of the (penalized) logits, as
+``do_sample=False`` does. Draws use one ``torch.Generator`` seeded once: the same seed, the
+same logits give the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from gdn_fx.errors import UsageError
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(
+            value):
+        raise UsageError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def check_max_new_tokens(value) -> int:
+    """``value`` when it is an int >= 1, else a one-line UsageError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise UsageError(f"max_new_tokens must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen. ``temperature == 0`` (the default) is greedy; the
+    filters (``top_k``, ``top_p``, ``min_p``) need sampling (``temperature > 0``), the
+    repetition penalty applies to both. Off values: ``top_k=0``, ``top_p=1``, ``min_p=0``,
+    ``repetition_penalty=1``. ``seed=None`` draws a fresh seed (see :attr:`Sampler.seed`).
+    Invalid values raise UsageError, one line naming the argument."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        temperature = _number("temperature", self.temperature)
+        if temperature < 0:
+            raise UsageError(f"temperature must be >= 0 (0: greedy), got {temperature:g}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) \
+                or self.top_k < 0:
+            raise UsageError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if not 0 < _number("top_p", self.top_p) <= 1:
+            raise UsageError(f"top_p must be in (0, 1] (1: off), got {self.top_p:g}")
+        if not 0 <= _number("min_p", self.min_p) <= 1:
+            raise UsageError(f"min_p must be in [0, 1] (0: off), got {self.min_p:g}")
+        if _number("repetition_penalty", self.repetition_penalty) <= 0:
+            raise UsageError(f"repetition_penalty must be > 0 (1: off), got "
+                             f"{self.repetition_penalty:g}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(
+                self.seed, numbers.Integral) or self.seed < 0):
+            raise UsageError(f"seed must be an int >= 0, got {self.seed!r}")
+        if temperature == 0 and self.filters():
+            raise UsageError(f"{', '.join(self.filters())} filter(s) the sampled tokens: give "
+                             "a temperature > 0 (greedy takes the most likely token)")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the most likely token is taken (no draw)."""
+        return self.temperature == 0
+
+    def filters(self) -> list:
+        """The names of the filters that are on (as command-line flags)."""
+        on = {"--top-k": self.top_k != 0, "--top-p": self.top_p < 1, "--min-p": self.min_p > 0}
+        return [name for name, used in on.items() if used]
+
+
+def penalize(scores: torch.Tensor, context: Sequence[int], penalty: float) -> torch.Tensor:
+    """Repetition penalty (CTRL's): every distinct id of ``context`` inside the vocabulary
+    has its score divided by ``penalty`` when positive and multiplied when negative (so
+    ``penalty > 1`` makes a repeat less likely either way)."""
+    if penalty == 1 or not len(context):
+        return scores
+    seen = torch.tensor(sorted({int(t) for t in context if 0 <= t < scores.shape[-1]}),
+                        dtype=torch.long)
+    old = scores[seen]
+    out = scores.clone()
+    out[seen] = torch.where(old < 0, old * penalty, old / penalty)
+    return out
+
+
+def keep_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Scores below the k-th largest become -inf (ties with it are kept)."""
+    if k == 0 or k >= scores.shape[-1]:
+        return scores
+    kth = torch.sort(scores, descending=True).values[k - 1]
+    return scores.masked_fill(scores < kth, -math.inf)
+
+
+def keep_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter: a token goes when the probability of it and of every less likely
+    token together is at most ``1 - top_p``; the most likely token always stays."""
+    if top_p >= 1:
+        return scores
+    order = torch.sort(scores).indices  # least likely first: mass accumulates from the tail
+    tail_mass = torch.softmax(scores[order], dim=-1).cumsum(dim=-1)
+    drop_sorted = tail_mass <= 1 - top_p
+    drop_sorted[-1] = False
+    drop = torch.zeros_like(drop_sorted)
+    drop[order] = drop_sorted
+    return scores.masked_fill(drop, -math.inf)
+
+
+def keep_min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Tokens less likely than ``min_p`` times the most likely one become -inf."""
+    if min_p == 0:
+        return scores
+    probs = torch.softmax(scores, dim=-1)
+    drop = probs < min_p * probs.max()
+    drop[probs.argmax()] = False
+    return scores.masked_fill(drop, -math.inf)
+
+
+def process(logits, context: Sequence[int], sampling: Sampling) -> torch.Tensor:
+    """The scores ``generate`` draws from (float32 [vocab], -inf where filtered): the
+    repetition penalty, then when sampling temperature, top-k, top-p, min-p."""
+    scores = torch.as_tensor(np.asarray(logits), dtype=torch.float32).reshape(-1)
+    scores = penalize(scores, context, sampling.repetition_penalty)
+    if sampling.greedy:
+        return scores
+    scores = scores / sampling.temperature
+    scores = keep_top_k(scores, sampling.top_k)
+    scores = keep_top_p(scores, sampling.top_p)
+    return keep_min_p(scores, sampling.min_p)
+
+
+def distribution(logits, context: Sequence[int], sampling: Sampling) -> torch.Tensor:
+    """The probabilities of the next token after :func:`process` (float32 [vocab])."""
+    return torch.softmax(process(logits, context, sampling), dim=-1)
+
+
+class Sampler:
+    """Chooses tokens one after the other with one seeded ``torch.Generator``."""
+
+    def __init__(self, sampling: Optional[Sampling] = None):
+        self.sampling = sampling or Sampling()
+        # A fresh seed is drawn and kept when none is given, so a run can be replayed.
+        self.seed = self.sampling.seed if self.sampling.seed is not None else int(
+            torch.seed() % (1 << 31))
+        self.random = torch.Generator().manual_seed(self.seed)
+
+    def choose(self, logits, context: Sequence[int]) -> int:
+        """The next token after ``context`` (prompt and tokens so far) given its logits."""
+        scores = process(logits, context, self.sampling)
+        if self.sampling.greedy:
+            return int(scores.argmax())
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.random))
