@@ -42,7 +42,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from gdn_fx.errors import LoweringUnsupported, UnknownName
+from gdn_fx.errors import InternalError, LoweringUnsupported, UnknownName
 from gdn_fx.lowering import (conv_native, conv_portable, gdn_chunked, gdn_chunked_parallel,
                              gdn_matmul, gdn_native, gdn_scan)
 from gdn_fx.lowering.choice import Choice
@@ -103,6 +103,22 @@ CUDA_ORDER: dict[str, tuple[str, ...]] = {
                          "chunked", "matmul", "scan"),
     "causal_conv1d_update": ("depthwise", "portable", "native"),
 }
+
+
+def check_orders(table: dict, cuda_order: dict) -> None:
+    """Each runtime's order names every candidate of the table once, and no other (a
+    candidate missing from the CUDA order would never be tried there). Run at import."""
+    for op, entries in table.items():
+        names = sorted(entry.name for entry in entries)
+        if sorted(cuda_order.get(op, ())) != names:
+            raise InternalError(f"the CUDA order of {op} {list(cuda_order.get(op, ()))} is "
+                                f"not a permutation of its table's candidates {names}")
+    if set(cuda_order) != set(table):
+        raise InternalError(f"the CUDA order names ops {sorted(cuda_order)}, the table "
+                            f"{sorted(table)}")
+
+
+check_orders(TABLE, CUDA_ORDER)
 
 
 def ordered(op: str, target: Target) -> tuple[Candidate, ...]:

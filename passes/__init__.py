@@ -9,16 +9,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import fx
 
-from gdn_fx.passes.chunk_meaning import ChunkMeaningRule, find_chunk_forms
-from gdn_fx.passes.conv_update import ConvUpdateRule, find_conv_updates
-from gdn_fx.passes.gdn_chunk import ChunkTemplateRule, chunked_anchors, chunked_form
-from gdn_fx.passes.gdn_recurrent import RecurrenceRule, find_unrolled as _unrolled_steps
-from gdn_fx.passes.hop import ScanHopRule, hop_unrolled
+from gdn_fx.errors import InternalError
+from gdn_fx.passes.chunk_meaning import ChunkMeaningRule
+from gdn_fx.passes.conv_update import ConvUpdateRule
+from gdn_fx.passes.gdn_chunk import ChunkTemplateRule
+from gdn_fx.passes.gdn_recurrent import RecurrenceRule
+from gdn_fx.passes.hop import ScanHopRule
 from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.rebuild import rebuild
 from gdn_fx.passes.result import CollapseResult, Miss
@@ -36,10 +37,13 @@ RULES: tuple[Rule, ...] = (
     ChunkMeaningRule(),  # chunked forms no template matched
     ConvUpdateRule(),
 )
+if len({rule.name for rule in RULES}) != len(RULES):
+    raise InternalError(f"two rules share a name: {[rule.name for rule in RULES]}")
 
 
 def collapse(program: Any, *, inplace: bool = False, verify: bool = True,
-             example_inputs: Optional[tuple] = None) -> CollapseResult:
+             example_inputs: Optional[tuple] = None,
+             rules: Optional[Sequence[Rule]] = None) -> CollapseResult:
     """Collapse every unrolled GDN/KDA recurrence and conv update in ``program``.
 
     ``program`` is a torch.export.ExportedProgram or a torch.fx.GraphModule whose nodes carry
@@ -51,10 +55,12 @@ def collapse(program: Any, *, inplace: bool = False, verify: bool = True,
     must agree; a fusion that disagrees is not made and leaves a near-miss (validate.py).
     Integer inputs (token ids, positions) are taken from ``example_inputs`` (the program's
     call arguments; an ExportedProgram's own by default), zeros otherwise. ``verify=False``
-    trusts the rules' structural checks alone.
+    trusts the rules' structural checks alone. ``rules``: the rules to run, in order
+    (default ``RULES``); counts are kept per op, each rule adding to its ``op``'s.
     """
     with _cyclic_gc_paused():
-        return _collapse(program, inplace, verify, example_inputs)
+        return _collapse(program, inplace, verify, example_inputs,
+                         RULES if rules is None else tuple(rules))
 
 
 @contextlib.contextmanager
@@ -71,22 +77,23 @@ def _cyclic_gc_paused():
             gc.enable()
 
 
-def _collapse(program: Any, inplace: bool, verify: bool, example_inputs) -> CollapseResult:
+def _collapse(program: Any, inplace: bool, verify: bool, example_inputs,
+              rules: tuple) -> CollapseResult:
     gm, ep = graph_module_of(program)
     validator = Validator(gm, ep, example_inputs) if verify else None
     graph, counts, misses = gm.graph, {}, []
-    for rule in RULES:
+    for rule in rules:
         fusions, found = rule.plan(graph)
         misses.extend(found)
-        counts.setdefault(rule.name, 0)
+        counts.setdefault(rule.op, 0)
         if not fusions:
             continue
         if validator is None:
             graph = rebuild(graph, fusions)
         else:
-            graph, fusions, rejected = validator.settle(rule.name, graph, fusions)
+            graph, fusions, rejected = validator.settle(rule.op, graph, fusions)
             misses.extend(rejected)
-        counts[rule.name] += len(fusions)
+        counts[rule.op] += len(fusions)
     misses = _still_standing(misses, graph)
     if graph is gm.graph and not inplace:  # no fusion was made: the input stays untouched
         graph = copy.deepcopy(graph)
@@ -107,20 +114,18 @@ def _still_standing(misses: list, graph: fx.Graph) -> list:
     return [m for m in misses if m.node is None or m.node in names]
 
 
-def find_unrolled(program: Any) -> list[str]:
+def find_unrolled(program: Any, rules: Optional[Sequence[Rule]] = None) -> list[str]:
     """What in ``program`` is frozen at the traced sequence length (empty when nothing is).
 
     Unrolled recurrence steps, chunked forms (transformers' by template, any other by the
     shape of the region the meaning rule would decide: FLA's, a per-chunk loop, also when it
     is not the delta rule), conv updates whose output slice is a literal, and loops kept as
-    one higher-order node that no rule fused (``scan``, ``while_loop``: passes/hop.py).
+    one higher-order node that no rule fused (``scan``, ``while_loop``: passes/hop.py):
+    each rule's ``unrolled`` (``rules``: default ``RULES``).
     """
     gm, _ = graph_module_of(program)
-    templated = chunked_anchors(gm.graph)
-    named = frozenset(node.name for node, _ in templated)
-    return (_unrolled_steps(gm.graph) + [chunked_form(*found) for found in templated]
-            + find_chunk_forms(gm.graph, named) + find_conv_updates(gm.graph)
-            + hop_unrolled(gm.graph))
+    return [found for rule in (RULES if rules is None else rules)
+            for found in rule.unrolled(gm.graph)]
 
 
 def _sync_export(ep: torch.export.ExportedProgram, gm: fx.GraphModule, inplace: bool):

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.gdn_chunk import chunked_form
+from gdn_fx.passes.gdn_chunk import chunked_anchors, chunked_form
 from gdn_fx.passes.layouts import Layout, batch_heads, group_features, plan_operands
 from gdn_fx.passes.program import (ASSERT_META, base_of, dtype, fake_mode_of, is_mutation,
                                    is_pure, shape)
@@ -145,7 +145,12 @@ class ChunkMeaningRule:
     """Every chunked gated-delta region found by meaning (the forms no template matched); a
     fusion's key names the region's anchor (its cumsum)."""
 
-    name = NAME
+    name, op = "chunk_meaning", NAME
+
+    def unrolled(self, graph: fx.Graph) -> list[str]:
+        """The chunked forms no template names (those are the template rule's to report)."""
+        templated = frozenset(node.name for node, _ in chunked_anchors(graph))
+        return find_chunk_forms(graph, templated)
 
     def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
         return plan_chunks_by_meaning(graph)

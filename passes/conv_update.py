@@ -79,7 +79,10 @@ class ConvUpdateRule:
     unfold, shifted multiply-adds, roll, channel-last, K - 1 states, ...; a key names the
     region's output node)."""
 
-    name = NAME
+    name, op = "conv_update", NAME
+
+    def unrolled(self, graph: fx.Graph) -> list[str]:
+        return find_conv_updates(graph)
 
     def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
         fusions, misses, missed = _plan_patterns(graph)

@@ -34,7 +34,10 @@ class ChunkTemplateRule:
     """Every chunked gated-delta computation shaped as transformers writes it; a fusion's key
     names the region's output node."""
 
-    name = NAME
+    name, op = "chunk_template", NAME
+
+    def unrolled(self, graph: fx.Graph) -> list[str]:
+        return [chunked_form(*found) for found in chunked_anchors(graph)]
 
     def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
         order = {node: i for i, node in enumerate(graph.nodes)}

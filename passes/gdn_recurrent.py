@@ -51,7 +51,10 @@ class RecurrenceRule:
     """Every whole unrolled loop that is the delta rule; a fusion's key names the region's
     first step output."""
 
-    name = NAME
+    name, op = "recurrence", NAME
+
+    def unrolled(self, graph: fx.Graph) -> list[str]:
+        return find_unrolled(graph)
 
     def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
         order = _order(graph)

@@ -74,7 +74,10 @@ class ScanHopRule:
         # body(state, x0_t, .., x4_t) -> (state', o_t)
     """
 
-    name = RULE
+    name, op = "scan_hop", RULE
+
+    def unrolled(self, graph: fx.Graph) -> list[str]:
+        return hop_unrolled(graph)
 
     def plan(self, graph: fx.Graph) -> tuple[list, list[Miss]]:
         fusions, misses, order = [], [], None

@@ -6,7 +6,9 @@ it would not. ``collapse`` (passes/__init__.py) does the rest in one place for e
 it rebuilds the graph with the fusions, runs translation validation on the result, drops the
 fusions that fail with a near-miss each, and hands the rebuilt graph to the next rule.
 
-To add a rule: a class with ``name`` (the op it fuses into) and ``plan``, listed in
+To add a rule: a class with ``name`` (its own, distinct), ``op`` (the op it fuses into: the
+key of ``CollapseResult.counts`` and of its near-misses), ``plan`` and ``unrolled`` (what it
+would fuse, found by structure alone, for ``find_unrolled``), listed in
 ``passes/__init__.RULES``.
 """
 
@@ -24,6 +26,11 @@ class Rule(Protocol):
     """``plan(graph) -> (fusions, near-misses)``; ``graph`` is never modified."""
 
     name: str
+    op: str
 
     def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
+        ...
+
+    def unrolled(self, graph: fx.Graph) -> list[str]:
+        """What in ``graph`` is frozen at the traced length that this rule is about."""
         ...

@@ -278,3 +278,18 @@ def test_a_shape_class_preference_yields_to_choose():
     assert decision.candidate == "portable" and "S = 1" in dict(decision.rejected)["depthwise"]
     forced = decide(facts, target("0.23.9"), Choice.parse({"*": "depthwise"}))
     assert forced.candidate == "depthwise" and forced.forced
+
+
+def test_every_candidate_is_in_the_cuda_order():
+    """The CUDA order is checked against the table (at import): a candidate left out of it,
+    or a name the table lacks, is an error, not a candidate never tried under CUDA."""
+    from gdn_fx.errors import InternalError
+    from gdn_fx.lowering.table import CUDA_ORDER, TABLE, check_orders
+
+    check_orders(TABLE, CUDA_ORDER)
+    left_out = {**CUDA_ORDER, "gated_delta_scan": CUDA_ORDER["gated_delta_scan"][1:]}
+    with pytest.raises(InternalError, match="not a permutation"):
+        check_orders(TABLE, left_out)
+    unknown = {**CUDA_ORDER, "causal_conv1d_update": ("depthwise", "portable", "nativ")}
+    with pytest.raises(InternalError, match="not a permutation"):
+        check_orders(TABLE, unknown)

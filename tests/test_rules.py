@@ -46,10 +46,13 @@ class Toy(torch.nn.Module):
 class MulRule:
     """Replaces each multiply by ``target(b, a)``: right for mul, wrong for sub."""
 
-    name = "toy"
+    name = op = "toy"
 
     def __init__(self, target):
         self.target = target
+
+    def unrolled(self, graph):
+        return []
 
     def plan(self, graph):
         mode = fake_mode_of(graph)
@@ -69,26 +72,25 @@ def _toy_args():
     return torch.randn(4, 5, generator=generator), torch.randn(4, 5, generator=generator)
 
 
-def test_any_rule_listed_is_validated_and_its_wrong_fusion_dropped(monkeypatch):
+def test_any_rule_listed_is_validated_and_its_wrong_fusion_dropped():
     args = _toy_args()
     program = export_form(Toy(), args, "training")
     want = Toy()(*args)
-    monkeypatch.setattr(passes, "RULES", (MulRule(torch.ops.aten.sub.Tensor),))
-    unchecked = gdn_fx.collapse(program, verify=False)
+    rules = (MulRule(torch.ops.aten.sub.Tensor),)
+    unchecked = gdn_fx.collapse(program, verify=False, rules=rules)
     assert unchecked.counts["toy"] == 1  # the substrate does make what a rule plans ...
     assert not torch.allclose(run(unchecked.program, args), want)
-    checked = gdn_fx.collapse(program)
+    checked = gdn_fx.collapse(program, rules=rules)
     assert checked.counts["toy"] == 0  # ... unless running it says it is wrong
     (miss,) = checked.misses
     assert "translation validation" in miss.reason and miss.node == "mul"
     torch.testing.assert_close(run(checked.program, args), want)
 
 
-def test_a_right_fusion_of_any_rule_is_made(monkeypatch):
+def test_a_right_fusion_of_any_rule_is_made():
     args = _toy_args()
     program = export_form(Toy(), args, "training")
-    monkeypatch.setattr(passes, "RULES", (MulRule(MUL),))
-    result = gdn_fx.collapse(program)
+    result = gdn_fx.collapse(program, rules=(MulRule(MUL),))
     assert result.counts["toy"] == 1 and not result.misses
     muls = [n for n in result.program.graph.nodes if n.target is MUL]
     assert [a.name for a in muls[0].args] == ["y", "x"]  # the rule's node, not the original
@@ -107,3 +109,15 @@ def test_an_unknown_family_is_an_error_not_another_familys_shapes():
     # the two known ones differ where the families do: the gate's shape
     assert ChunkShape("kda", 1, 2, 8, 4, 6, 64).example()[3].shape == (1, 8, 2, 4)
     assert ChunkShape("gdn", 1, 2, 8, 4, 6, 64).example()[3].shape == (1, 8, 2)
+
+
+def test_rules_have_distinct_names_and_report_what_they_would_fuse():
+    """Each rule names itself (counts are kept per op, several rules fuse into one op), and
+    find_unrolled asks each rule: a rule left out reports nothing."""
+    names = [rule.name for rule in passes.RULES]
+    assert len(set(names)) == len(names)
+    assert {rule.op for rule in passes.RULES} == {"gated_delta_scan", "causal_conv1d_update"}
+    program = _programs()[0]
+    assert gdn_fx.find_unrolled(program)  # the unrolled recurrence
+    others = tuple(r for r in passes.RULES if r.name != "recurrence")
+    assert gdn_fx.find_unrolled(program, rules=others) == []
