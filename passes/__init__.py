@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 from typing import Any, Optional, Sequence
 
 import torch
@@ -22,9 +23,11 @@ from gdn_fx.passes.gdn_recurrent import RecurrenceRule
 from gdn_fx.passes.hop import ScanHopRule
 from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.rebuild import rebuild
-from gdn_fx.passes.result import CollapseResult, Miss
+from gdn_fx.passes.result import CHECK_FAILED, VALIDATION_FAILED, CollapseResult, Miss
 from gdn_fx.passes.rule import Rule
 from gdn_fx.passes.validate import Validator, compare_programs
+
+log = logging.getLogger(__name__)
 
 # Every rule plans fusions on the graph it is handed, read-only (rule.py); ``_collapse``
 # rebuilds, validates and hands the result to the next rule. The loop rules run first, on
@@ -94,7 +97,10 @@ def _collapse(program: Any, inplace: bool, verify: bool, example_inputs,
             graph, fusions, rejected = validator.settle(rule.op, graph, fusions)
             misses.extend(rejected)
         counts[rule.op] += len(fusions)
+        log.debug("rule %s: %d %s fusion(s) kept", rule.name, len(fusions), rule.op)
     misses = _still_standing(misses, graph)
+    for miss in misses:
+        log.debug("near-miss (%s): %s", miss.kind, miss)
     if graph is gm.graph and not inplace:  # no fusion was made: the input stays untouched
         graph = copy.deepcopy(graph)
     if inplace:
@@ -141,4 +147,5 @@ def _sync_export(ep: torch.export.ExportedProgram, gm: fx.GraphModule, inplace: 
         example_inputs=ep.example_inputs, constants=ep.constants, verifiers=ep.verifiers)
 
 
-__all__ = ["CollapseResult", "Miss", "Rule", "collapse", "compare_programs", "find_unrolled"]
+__all__ = ["CHECK_FAILED", "VALIDATION_FAILED", "CollapseResult", "Miss", "Rule", "collapse",
+           "compare_programs", "find_unrolled"]

@@ -6,12 +6,19 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+# What left a region alone: a rule's own checks (its structure, its meaning in float64, the
+# op's contract), or translation validation (the rewrite ran and disagreed with the program).
+CHECK_FAILED = "check failed"
+VALIDATION_FAILED = "validation failed"
+
+
 @dataclass(frozen=True)
 class Miss:
     """Why a candidate region was left as it was.
 
-    ``step``/``of`` locate the timestep in an unrolled loop when that is known; ``node`` names
-    the graph node where the check failed.
+    ``rule`` is the op the region could have become; ``step``/``of`` locate the timestep in an
+    unrolled loop when that is known; ``node`` names the graph node where the check failed;
+    ``kind`` says which check it was (``CHECK_FAILED`` or ``VALIDATION_FAILED``).
     """
 
     rule: str
@@ -19,6 +26,7 @@ class Miss:
     node: Optional[str] = None
     step: Optional[int] = None
     of: Optional[int] = None
+    kind: str = CHECK_FAILED
 
     def __str__(self) -> str:
         where = []

@@ -29,7 +29,7 @@ from torch.export.graph_signature import InputKind
 from gdn_fx.ops import fast_scan_kernel
 from gdn_fx.passes.program import mutates
 from gdn_fx.passes.rebuild import Fusion, rebuild
-from gdn_fx.passes.result import Miss
+from gdn_fx.passes.result import VALIDATION_FAILED, Miss
 
 # Bounds on max|rewritten - original| / max|original| per output, by the output's dtype: the
 # fused ops compute in f32 whatever their inputs, in another order than an unrolled loop.
@@ -110,20 +110,21 @@ class Validator:
         if problem is None:
             return new, fusions, []
         if len(fusions) == 1:
-            return graph, [], [Miss(name, problem, node=fusions[0].key)]
+            return graph, [], [Miss(name, problem, node=fusions[0].key, kind=VALIDATION_FAILED)]
         good, misses = [], []
         for fusion in fusions:
             problem = self.mismatch(rebuild(graph, [fusion]))
             if problem is None:
                 good.append(fusion)
             else:
-                misses.append(Miss(name, problem, node=fusion.key))
+                misses.append(Miss(name, problem, node=fusion.key, kind=VALIDATION_FAILED))
         if not good:
             return graph, [], misses
         new = rebuild(graph, good)
         problem = self.mismatch(new)
         if problem is not None:  # each agrees alone but not together: keep none
-            return graph, [], misses + [Miss(name, f"together: {problem}", node=f.key)
+            return graph, [], misses + [Miss(name, f"together: {problem}", node=f.key,
+                                                     kind=VALIDATION_FAILED)
                                         for f in good]
         return new, good, misses
 

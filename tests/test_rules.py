@@ -83,7 +83,7 @@ def test_any_rule_listed_is_validated_and_its_wrong_fusion_dropped():
     checked = gdn_fx.collapse(program, rules=rules)
     assert checked.counts["toy"] == 0  # ... unless running it says it is wrong
     (miss,) = checked.misses
-    assert "translation validation" in miss.reason and miss.node == "mul"
+    assert miss.kind == passes.VALIDATION_FAILED and miss.node == "mul"
     torch.testing.assert_close(run(checked.program, args), want)
 
 
@@ -121,3 +121,27 @@ def test_rules_have_distinct_names_and_report_what_they_would_fuse():
     assert gdn_fx.find_unrolled(program)  # the unrolled recurrence
     others = tuple(r for r in passes.RULES if r.name != "recurrence")
     assert gdn_fx.find_unrolled(program, rules=others) == []
+
+
+def test_a_near_miss_says_which_check_left_the_region():
+    """A region a rule's own checks refuse is CHECK_FAILED (a clamp on the state: not the
+    delta rule once the clamp is crossed); one that validation rolls back is
+    VALIDATION_FAILED (above)."""
+    class Clamped(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, state):
+            outs = []
+            for t in range(q.shape[2]):
+                state = state * g[:, :, t].exp()[..., None, None]
+                kv = (state * k[:, :, t, :, None]).sum(-2)
+                delta = (v[:, :, t] - kv) * beta[:, :, t, None]
+                state = (state + k[:, :, t, :, None] * delta[..., None, :]).clamp(-20, 20)
+                outs.append((state * q[:, :, t, :, None]).sum(-2))
+            return torch.stack(outs, 2), state
+
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(1, 2, 4, 4, generator=g), torch.randn(1, 2, 4, 4, generator=g),
+            torch.randn(1, 2, 4, 4, generator=g), -torch.rand(1, 2, 4, generator=g),
+            torch.rand(1, 2, 4, generator=g), torch.randn(1, 2, 4, 4, generator=g))
+    result = gdn_fx.collapse(torch.export.export(Clamped(), args))
+    assert result.counts["gated_delta_scan"] == 0
+    assert result.misses and all(m.kind == passes.CHECK_FAILED for m in result.misses)
