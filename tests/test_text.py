@@ -1,0 +1,296 @@
+"""Text in, text out: the checkpoint's tokenizer, chat prompts, streamed detokenizing, EOS and
+stop strings, and generation from a text prompt in tract against transformers' ``generate``.
+
+Expected values come from transformers (``AutoTokenizer``, ``apply_chat_template``,
+``decode``, ``model.generate``) or are written out by hand, never from gdn_fx.text or
+gdn_fx.streaming.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from gdn_fx.errors import CheckpointError, GdnFxError, UsageError
+from gdn_fx.sampling import Sampling
+from gdn_fx.streaming import stream
+from gdn_fx.text import (DEMO_CHAT_TEMPLATE, Detokenizer, StopStrings, context_length,
+                         demo_checkpoint, demo_corpus, demo_tokenizer, eos_ids, load_tokenizer,
+                         prompt_ids)
+
+TEXTS = ["The keeper lit the lamp.", "café crème brûlée", "日本 is Japan, こんにちは",
+         "stars 🌟 and a boat ⛵ 🙂", "naïve → déjà vu ≈ 12°C", "  two  spaces\nand a line"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    return AutoTokenizer.from_pretrained(str(folder))  # transformers', not gdn_fx's loader
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+
+
+def _hf_greedy(model, ids, count, eos=None):
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                             max_new_tokens=count, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+# --- the tokenizer and the demo checkpoint ---------------------------------------------------
+
+def test_the_demo_checkpoint_is_a_folder_transformers_loads(folder, tokenizer, model):
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= names
+    assert model.config.vocab_size == len(tokenizer) == 512
+    assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == \
+        ("<pad>", "<s>", "</s>")
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [2, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_the_demo_tokenizer_is_trained_the_same_every_time():
+    assert demo_tokenizer().get_vocab() == demo_tokenizer().get_vocab()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_prompts_round_trip_through_the_tokenizer(folder, tokenizer, text):
+    ids = prompt_ids(load_tokenizer(folder), text)
+    assert ids == tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+
+
+def test_multi_byte_characters_are_split_into_byte_pieces(tokenizer):
+    # Without byte pieces the streaming tests below would not meet a split character.
+    pieces = [tokenizer.decode([i]) for i in tokenizer("日本 🌟")["input_ids"]]
+    assert any("\ufffd" in piece for piece in pieces), pieces
+    assert all(char in demo_corpus() for char in "é日本🌟")
+
+
+def test_a_chat_prompt_equals_transformers_chat_template(folder, tokenizer):
+    messages = [{"role": "user", "content": "Is the light ever dark? 日本"}]
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                         tokenize=True)["input_ids"]
+    got = prompt_ids(load_tokenizer(folder), messages[0]["content"], chat=True)
+    assert got == list(want)
+    written = ("<|im_start|>user\nIs the light ever dark? 日本<|im_end|>\n"
+               "<|im_start|>assistant\n")  # DEMO_CHAT_TEMPLATE, by hand
+    assert tokenizer.decode(got) == written
+
+
+def test_a_system_message_comes_first(tokenizer):
+    got = prompt_ids(tokenizer, "Hi", chat=True, system="Be brief.")
+    assert tokenizer.decode(got) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user"
+                                     "\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_eos_ids_and_context_come_from_the_folder(folder, tmp_path):
+    assert eos_ids(folder) == [2, 4]
+    assert context_length(folder) == json.loads(
+        (folder / "config.json").read_text())["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert eos_ids(tmp_path) == [7]  # no generation_config.json: config.json's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    assert eos_ids(tmp_path) == [5, 6]
+
+
+# --- streamed text ---------------------------------------------------------------------------
+
+def _streamed(tokenizer, tokens) -> list:
+    text = Detokenizer(tokenizer)
+    pieces = [text.push(t) for t in tokens]
+    return pieces + [text.finish()]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_the_decoded_whole(tokenizer, text):
+    tokens = tokenizer(text)["input_ids"]
+    pieces = _streamed(tokenizer, tokens)
+    assert "".join(pieces) == tokenizer.decode(tokens) == text
+    assert not any("\ufffd" in piece for piece in pieces)  # never half a character
+
+
+def test_streamed_random_tokens_equal_the_decoded_whole(tokenizer):
+    # Random ids give stray bytes: invalid UTF-8 must come out as decode gives it, no more.
+    random = np.random.default_rng(0)
+    for _ in range(20):
+        tokens = random.integers(0, len(tokenizer), 40).tolist()
+        want = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert "".join(_streamed(tokenizer, tokens)) == want
+
+
+def test_a_character_is_given_out_once_complete(tokenizer):
+    tokens = tokenizer("日")["input_ids"]
+    assert len(tokens) > 1  # a byte per token
+    pieces = _streamed(tokenizer, tokens)
+    assert pieces[:-2] == [""] * (len(tokens) - 1) and pieces[-2] == "日"
+
+
+def test_a_sentencepiece_style_decoder_streams_its_spaces():
+    # Metaspace drops the leading space of a decoded sequence: each piece must not.
+    bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    bpe.normalizer = normalizers.Replace(" ", "\u2581")
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    bpe.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    alphabet = [f"<0x{b:02X}>" for b in range(256)]
+    bpe.train_from_iterator([demo_corpus()], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", *alphabet], show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    for text in TEXTS[:4]:
+        tokens = tokenizer(text)["input_ids"]
+        assert "".join(_streamed(tokenizer, tokens)) == tokenizer.decode(tokens)
+
+
+def test_stop_strings_split_over_pieces_are_found_and_not_printed():
+    stops = StopStrings(["\n\n", "END"])
+    given = [stops.feed(p) for p in ["one\n", "\n", "two"]]
+    assert given == ["one", "", ""] and stops.stopped == "\n\n"
+
+
+def test_text_that_only_began_like_a_stop_string_is_given_out():
+    stops = StopStrings(["END"])
+    assert [stops.feed(p) for p in ["the E", "N", "d", " of it"]] == \
+        ["the ", "", "ENd", " of it"]
+    assert stops.stopped is None and stops.finish() == ""
+    held = StopStrings(["END"])
+    assert held.feed("wE") == "w" and held.finish() == "E"
+
+
+def test_the_first_stop_string_in_the_text_wins():
+    stops = StopStrings(["b", "abc"])
+    assert stops.feed("xxabc") == "xx" and stops.stopped == "abc"  # earliest start
+
+
+# --- generation: EOS, stop strings (transformers in torch) -----------------------------------
+
+PROMPT = "The keeper of the north light"
+
+
+def test_greedy_streaming_in_torch_equals_transformers_generate(tokenizer, model):
+    ids = tokenizer(PROMPT)["input_ids"]
+    run = stream(model, PROMPT, tokenizer=tokenizer, max_new_tokens=10)
+    pieces = list(run)
+    want = _hf_greedy(model, ids, 10)
+    assert [p.token for p in pieces] == run.summary.tokens == want
+    assert "".join(p.text for p in pieces) == run.summary.text == tokenizer.decode(
+        want, skip_special_tokens=True)
+    assert run.summary.finish_reason == "length"
+
+
+def test_an_eos_id_ends_generation_as_in_transformers(tokenizer, model):
+    ids = tokenizer(PROMPT)["input_ids"]
+    free = _hf_greedy(model, ids, 10)
+    eos = free[4]  # a token generation meets: make it the end of the sequence
+    want = _hf_greedy(model, ids, 10, eos=[eos])
+    run = stream(model, ids, tokenizer=tokenizer, max_new_tokens=10, eos=[eos])
+    assert [p.token for p in run] == want == free[:free.index(eos) + 1]
+    assert run.summary.finish_reason == "eos"
+
+
+def test_a_stop_string_ends_generation_before_it(tokenizer, model):
+    ids = tokenizer(PROMPT)["input_ids"]
+    free = _hf_greedy(model, ids, 12)
+    whole = tokenizer.decode(free, skip_special_tokens=True)
+    cut = next(i for i in range(3, len(whole) - 3) if whole[i:i + 2].isprintable())
+    stop = whole[cut:cut + 2]
+    at = whole.find(stop)
+    run = stream(model, ids, tokenizer=tokenizer, max_new_tokens=12, stop=[stop])
+    text = "".join(p.text for p in run)
+    assert text == whole[:at] and run.summary.finish_reason == "stop"
+    # it ended at the token that completed the stop string
+    done = run.summary.tokens
+    assert stop in tokenizer.decode(done) and stop not in tokenizer.decode(done[:-1])
+
+
+def test_sampling_with_a_seed_repeats(tokenizer, model):
+    setting = Sampling(temperature=1.0, top_p=0.9, seed=5)
+    runs = [stream(model, PROMPT, tokenizer=tokenizer, max_new_tokens=6, sampling=setting)
+            for _ in range(2)]
+    tokens = [[p.token for p in run] for run in runs]
+    assert tokens[0] == tokens[1] and runs[0].summary.seed == 5
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+def test_a_folder_without_a_tokenizer_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="holds no tokenizer") as error:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(error.value)
+
+
+def test_a_broken_tokenizer_is_one_line(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer") as error:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda m, t: stream(m, "", tokenizer=t), "prompt is empty"),
+    (lambda m, t: stream(m, "   ", tokenizer=t), "prompt is empty"),
+    (lambda m, t: stream(m, "hi"), "needs a tokenizer"),
+    (lambda m, t: stream(m, [1, 2], stop=["x"]), "stop strings need a tokenizer"),
+    (lambda m, t: stream(m, [1, 512]), "outside the vocabulary"),
+    (lambda m, t: stream(m, [1, -1]), "outside the vocabulary"),
+    (lambda m, t: stream(m, [], tokenizer=t), "empty"),
+    (lambda m, t: stream(m, "hi", tokenizer=t, max_new_tokens=0), "max_new_tokens"),
+    (lambda m, t: stream(m, "hi there", tokenizer=t, context=3), "context is 3"),
+    (lambda m, t: stream(m, [1, 2], chat=True), "chat needs a text prompt"),
+])
+def test_bad_generation_input_is_one_line(model, tokenizer, call, words):
+    with pytest.raises(GdnFxError) as error:
+        call(model, tokenizer)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_chat_without_a_template_is_refused(tokenizer):
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(
+        tokenizer.backend_tokenizer.to_str()))
+    assert DEMO_CHAT_TEMPLATE  # the demo has one; this copy of its vocabulary has none
+    with pytest.raises(UsageError, match="no chat template"):
+        prompt_ids(plain, "hi", chat=True)
+
+
+# --- end to end: a text prompt in tract ------------------------------------------------------
+
+@pytest.mark.slow  # one generation-ready export of the tiny model (~20 s)
+def test_tract_generates_from_text_what_transformers_generates(folder, tokenizer, tmp_path):
+    from gdn_fx.hf.generator import Generator, export_generator
+
+    exported = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    reference = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    files = export_generator(exported, tmp_path / "demo.nnef.tgz")
+    generator = Generator(files.main, files.decode)
+    eos = eos_ids(folder)
+    for text, chat in ((PROMPT, False), ("Do you get lonely out here? 🙂", True)):
+        ids = prompt_ids(tokenizer, text, chat=chat)
+        run = stream(generator, text, tokenizer=tokenizer, chat=chat, max_new_tokens=24,
+                     eos=eos)
+        pieces = list(run)
+        want = _hf_greedy(reference, ids, 24, eos=eos)
+        assert run.summary.prompt == ids
+        assert [p.token for p in pieces] == want, (text, chat)
+        assert "".join(p.text for p in pieces) == tokenizer.decode(want,
+                                                                   skip_special_tokens=True)
+        assert run.summary.prefill_s > 0 and run.summary.first_token_s >= run.summary.prefill_s
+    sampled = [[p.token for p in stream(generator, PROMPT, tokenizer=tokenizer,
+                                        max_new_tokens=12, sampling=Sampling(
+                                            temperature=0.8, top_k=40, seed=9))]
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]  # the same seed, the same tokens (the kept States reused)
