@@ -166,8 +166,10 @@ class TextStream:
     fills in as it runs and is complete once iteration ends. It can be iterated once."""
 
     def __init__(self, session, prompt: list, tokenizer, max_new_tokens: int,
-                 sampler: Sampler, eos: Sequence[int], stop: Sequence[str]):
+                 sampler: Sampler, eos: Sequence[int], stop: Sequence[str],
+                 keep_logits: bool = False):
         self.session, self.tokenizer, self.sampler = session, tokenizer, sampler
+        self.logits: Optional[list] = [] if keep_logits else None  # raw, one [vocab] a step
         self.max_new_tokens, self.eos = max_new_tokens, set(int(e) for e in eos)
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopStrings(stop)
@@ -199,6 +201,8 @@ class TextStream:
         summary.prefill_s = time.perf_counter() - begin
         context = list(summary.prompt)  # what the repetition penalty looks at, as in generate
         while True:
+            if self.logits is not None:
+                self.logits.append(np.array(logits, copy=True))
             token = self.sampler.choose(logits, context)
             context.append(token)
             summary.tokens.append(token)
@@ -223,13 +227,14 @@ class TextStream:
 def stream(source, prompt: Union[str, Sequence[int]], *, tokenizer=None,
            max_new_tokens: int = 64, sampling: Optional[Sampling] = None,
            eos: Sequence[int] = (), stop: Sequence[str] = (), chat: bool = False,
-           context: Optional[int] = None) -> TextStream:
+           context: Optional[int] = None, keep_logits: bool = False) -> TextStream:
     """Generate from ``prompt`` (text, with ``tokenizer``; or token ids) on ``source`` (a
     Generator, a transformers model, or a session with ``start`` / ``next``), one
     :class:`Piece` per token as it is chosen. ``eos``: ids that end it (the id is kept as the
     last token); ``stop``: strings that end it (the text stops before them; needs a
     tokenizer); ``context``: the model's context length: a longer prompt is refused, and
-    generation stops at it. Arguments are checked before any model call (one-line
+    generation stops at it; ``keep_logits``: the raw logits of every step are kept in the
+    stream's ``logits`` (for ``check_generation``). Arguments are checked before any model call (one-line
     UsageError): an empty prompt, ids outside the vocabulary, ``max_new_tokens < 1``."""
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     stop = [stop] if isinstance(stop, str) else list(stop)
@@ -242,4 +247,5 @@ def stream(source, prompt: Union[str, Sequence[int]], *, tokenizer=None,
             raise UsageError(f"the prompt is {len(ids)} tokens, and the model's context is "
                              f"{context} (max_position_embeddings): shorten the prompt")
         max_new_tokens = min(max_new_tokens, context - len(ids))
-    return TextStream(session, ids, tokenizer, max_new_tokens, Sampler(sampling), eos, stop)
+    return TextStream(session, ids, tokenizer, max_new_tokens, Sampler(sampling), eos, stop,
+                      keep_logits)

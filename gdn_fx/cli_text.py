@@ -1,0 +1,206 @@
+"""``gdn-fx generate`` with text: its prompt, sampling and output flags, and the run.
+
+    gdn-fx generate --nnef out/m.nnef.tgz --model CKPT --prompt "The keeper" --max-new-tokens 32
+    echo "Hello" | gdn-fx generate --nnef out/m.nnef.tgz --model CKPT --prompt - --chat
+    gdn-fx generate --nnef out/m.nnef.tgz --model CKPT --prompt-file p.txt --temperature 0.8 \\
+        --top-p 0.95 --seed 1 --stop "\\n\\n" --json
+
+The answer goes to stdout as it is decoded (``--json``: one JSON object at the end instead);
+the load, the rates (prefill and decode tokens/s, time to first token) and ``--check``'s
+verdict go to stderr. The tokenizer, EOS ids and context come from ``--model``'s folder, or
+from the folder an export left beside the NNEF (:func:`gdn_fx.text.text_folder`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from gdn_fx.errors import UsageError
+
+SAMPLING_FLAGS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                  "repetition_penalty": 1.0, "seed": None}
+
+
+def add_text_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompt (one of --prompt, --prompt-file, --prompt-ids), chat, sampling, stop and
+    output flags of ``generate``."""
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text ('-': read it from stdin)")
+    prompt.add_argument("--prompt-file", type=Path, help="read the prompt text from a file")
+    prompt.add_argument("--prompt-ids", help="token ids, e.g. 1,2,3")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt in the tokenizer's chat template (a user turn, "
+                        "the assistant's turn opened)")
+    parser.add_argument("--system", help="with --chat: a system message before the prompt")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (the default): greedy; > 0: sample")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="keep the likeliest tokens holding this mass (1: off)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens below this fraction of the likeliest's (0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="penalize tokens already in the prompt or answer (1: off)")
+    parser.add_argument("--seed", type=int, default=None, dest="sample_seed",
+                        help="the sampling seed (default: a fresh one, shown by --json)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end at this text (not printed); repeat for several")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON summary (text, tokens, rates) instead of the text")
+
+
+def uses_text_path(args: argparse.Namespace) -> bool:
+    """Whether this ``generate`` needs the text path (anything beyond greedy ids)."""
+    changed = any(getattr(args, name, default) != default
+                  for name, default in SAMPLING_FLAGS.items() if name != "seed")
+    return (args.prompt is not None or args.prompt_file is not None or args.chat
+            or changed or bool(args.stop) or args.json or getattr(args, "sample_seed", None)
+            is not None)
+
+
+def sampling_of(args: argparse.Namespace):
+    """The :class:`~gdn_fx.sampling.Sampling` the flags ask for; errors name the flag."""
+    from gdn_fx.sampling import Sampling
+
+    values = {name: getattr(args, name) for name in SAMPLING_FLAGS if name != "seed"}
+    try:
+        return Sampling(**values, seed=getattr(args, "sample_seed", None))
+    except UsageError as error:
+        text = str(error)
+        for name in SAMPLING_FLAGS:
+            if text.startswith(name + " "):
+                text = "--" + name.replace("_", "-") + text[len(name):]
+        raise UsageError(text) from None
+
+
+def prompt_text(args: argparse.Namespace) -> Optional[str]:
+    """The prompt text from --prompt (stdin for '-') or --prompt-file, one final newline
+    dropped (what `echo` and editors add); None for --prompt-ids."""
+    if args.prompt is not None:
+        text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    elif args.prompt_file is not None:
+        try:
+            text = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"--prompt-file {args.prompt_file}: cannot read it "
+                             f"({type(error).__name__})") from None
+    else:
+        return None
+    text = text[:-1] if text.endswith("\n") else text
+    if not text.strip():
+        raise UsageError("the prompt is empty: give some text")
+    return text
+
+
+def prompt_id_list(text: str) -> list:
+    """``--prompt-ids 1,2,3`` as ints; one-line UsageError otherwise."""
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be integers separated by commas, got "
+                         f"{text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty")
+    return ids
+
+
+def text_source(args: argparse.Namespace) -> Optional[Path]:
+    """The folder holding the tokenizer: --model's, else the one beside --nnef, else None."""
+    from gdn_fx.text import has_tokenizer, text_folder
+
+    if getattr(args, "model_dir", None) is not None:
+        return args.model_dir
+    beside = text_folder(args.nnef)
+    return beside if beside.is_dir() and has_tokenizer(beside) else None
+
+
+def generate_text(args: argparse.Namespace) -> int:
+    """Run ``generate`` on the text path; 0, or 1 when --check finds a difference."""
+    from gdn_fx.sampling import check_max_new_tokens
+    from gdn_fx.text import context_length, eos_ids, load_tokenizer
+
+    sampling = sampling_of(args)
+    max_new = check_max_new_tokens(args.max_new_tokens)
+    text = prompt_text(args)
+    if args.check and (not sampling.greedy or sampling.repetition_penalty != 1):
+        raise UsageError("--check compares plain greedy generation with transformers': leave "
+                         "out --temperature and --repetition-penalty")
+    if args.system and not args.chat:
+        raise UsageError("--system goes with --chat")
+    if args.check and not (args.family or args.config or args.model_dir):
+        raise UsageError("--check needs the model: --family, --config or --model")
+    folder = text_source(args)
+    if text is not None and folder is None:
+        raise UsageError("a text prompt needs a tokenizer: --model CHECKPOINT_DIR (a folder "
+                         "holding one), or an export that carries one beside --nnef")
+    tokenizer = load_tokenizer(folder) if folder is not None else None
+    prompt = text if text is not None else prompt_id_list(args.prompt_ids)
+    if text is not None and args.chat:
+        from gdn_fx.text import prompt_ids
+
+        prompt = prompt_ids(tokenizer, text, chat=True, system=args.system)
+    run = _stream(args, prompt, tokenizer, sampling, max_new,
+                  eos_ids(folder, tokenizer) if folder is not None else [],
+                  context_length(folder) if folder is not None else None)
+    return _report(args, run)
+
+
+def _stream(args, prompt, tokenizer, sampling, max_new, eos, context):
+    """The Generator loaded (timed, on stderr) and the stream started."""
+    from gdn_fx.hf.generator import Generator
+    from gdn_fx.streaming import stream
+
+    if not args.nnef.exists():
+        raise UsageError(f"--nnef {args.nnef} does not exist")
+    chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
+    start = time.perf_counter()
+    print(f"[load] {args.nnef} ...", file=sys.stderr, flush=True)
+    generator = Generator.open(args.nnef, use_decode=not args.no_decode, prefill_chunk=chunk)
+    graphs = "main and decode graphs" if generator.decode is not generator.main else \
+        "main graph (serves decode)"
+    print(f"[load] {graphs} in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    return stream(generator, prompt, tokenizer=tokenizer, max_new_tokens=max_new,
+                  sampling=sampling, eos=eos, stop=args.stop, context=context,
+                  keep_logits=args.check)
+
+
+def _report(args, run) -> int:
+    """Print the answer as it comes (or the JSON summary), the rates, --check's verdict."""
+    out = sys.stdout
+    for piece in run:
+        if not args.json and run.tokenizer is not None:
+            out.write(piece.text)
+            out.flush()
+    summary = run.summary
+    if not args.json:
+        print() if run.tokenizer is not None else print(
+            "tokens: " + ",".join(map(str, summary.tokens)))
+    print(f"tract: {summary.rates()}", file=sys.stderr)
+    found = _check(args, run) if args.check else None
+    if args.json:
+        values = summary.as_dict()
+        if found is not None:
+            values["check"] = {"ok": found.ok, "text": str(found)}
+        print(json.dumps(values, ensure_ascii=False))
+    return 0 if found is None or found.ok else 1
+
+
+def _check(args, run):
+    """Every token and logit against transformers' generate on the same model."""
+    from gdn_fx.hf.generator import GenerationResult, check_generation
+    from gdn_fx.pipeline import Job, build_model
+
+    model, name = build_model(Job(family=args.family, config=args.config,
+                                  model_dir=args.model_dir, seed=args.seed))
+    summary = run.summary
+    result = GenerationResult(summary.prompt, list(summary.tokens), list(run.logits),
+                              summary.prefill_s, summary.decode_s)
+    found = check_generation(model, result)
+    print(f"check against transformers ({name}): {found}", file=sys.stderr)
+    print("OK" if found.ok else "NOT OK", file=sys.stderr)
+    return found
