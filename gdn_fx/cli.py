@@ -15,11 +15,12 @@ EXAMPLES = {
     None: """examples:
   gdn-fx demo
   gdn-fx export --family qwen3_5 --out out/q.nnef.tgz
-  gdn-fx generate --nnef out/q.nnef.tgz --prompt-ids 1,2,3 --max-new-tokens 16
+  gdn-fx generate --nnef out/m.nnef.tgz --model CHECKPOINT_DIR --prompt "Once upon a time"
   gdn-fx diff a.pt2 b.pt2
 Run "gdn-fx COMMAND --help" for a command's options.""",
-    "demo": """example:
-  gdn-fx demo --out out/demo.nnef.tgz""",
+    "demo": """examples:
+  gdn-fx demo --out out/demo.nnef.tgz
+  gdn-fx demo --text      # checkpoint + tokenizer made offline, export, text generation""",
     "export": """examples:
   gdn-fx export --family qwen3_5 --out out/q.nnef.tgz     # + out/q.decode.nnef.tgz
   gdn-fx export --model CHECKPOINT_DIR --out out/m.nnef.tgz --weights q4_0
@@ -29,8 +30,16 @@ Run "gdn-fx COMMAND --help" for a command's options.""",
 The files are written beside --out under a hidden temporary name and renamed at the end:
 an error leaves nothing at --out.""",
     "generate": """examples:
+  gdn-fx generate --nnef out/m.nnef.tgz --model CHECKPOINT_DIR --prompt "Once upon a time"
+  echo "Hello" | gdn-fx generate --nnef out/m.nnef.tgz --prompt - --chat
+  gdn-fx generate --nnef out/m.nnef.tgz --prompt-file p.txt --temperature 0.8 --top-p 0.95 \\
+      --seed 1 --stop "\\n\\n" --json
   gdn-fx generate --nnef out/q.nnef.tgz --prompt-ids 1,2,3 --max-new-tokens 16
   gdn-fx generate --nnef out/q.nnef.tgz --prompt-ids 1,2,3 --check --family qwen3_5
+
+A text prompt needs the tokenizer: --model's folder, or the X.text folder that
+"gdn-fx export --model DIR" writes beside X.nnef.tgz. The answer goes to stdout as it is
+decoded, the rates (prefill and decode tokens/s, time to first token) to stderr.
 
 The decode graph beside --nnef (X.decode.nnef.tgz) is used when the export wrote one; it
 must carry the main graph's fingerprint.""",
@@ -65,11 +74,16 @@ def _families() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from gdn_fx.cli_text import add_text_arguments
+
     parser = argparse.ArgumentParser(prog="gdn-fx", description=__doc__, epilog=EXAMPLES[None],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = _subparser(sub, "demo", "tiny random Qwen3.5 decode step, end to end")
     demo.add_argument("--out", type=Path, default=Path("out/demo.nnef.tgz"))
+    demo.add_argument("--text", action="store_true",
+                      help="the generation demo: a tiny checkpoint with a tokenizer made "
+                      "offline, exported generation-ready, answering a text prompt in tract")
     export = _subparser(
         sub, "export", "a model as a generation-ready NNEF (symbolic S and P, prefill and "
         "decode), or with --seq-len one step at a fixed length", families=_families())
@@ -92,10 +106,11 @@ def _parser() -> argparse.ArgumentParser:
                         "(S, P), collapse, gdn_fx.generalize to symbolic S and P")
     export.add_argument("--no-check", action="store_true",
                         help="skip the short tract generation compared with transformers")
-    generate = _subparser(sub, "generate", "greedy generation in tract from an export")
+    generate = _subparser(sub, "generate", "generation in tract from an export: text or "
+                          "token ids in, the answer streamed out")
     generate.add_argument("--nnef", type=Path, required=True,
                           help="the export (its X.decode.nnef.tgz is used when present)")
-    generate.add_argument("--prompt-ids", required=True, help="token ids, e.g. 1,2,3")
+    add_text_arguments(generate)
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--prefill-chunk", type=int, default=None,
                           help="feed the prompt in calls of N tokens (default: the longest "
@@ -106,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--check", action="store_true",
                           help="compare every token and logit with transformers' generate on "
                           "the model named by --family / --config / --model")
-    _model_source(generate, required=False)
+    _model_source(generate, required=False, seed_flag="--weights-seed")
     diff = _subparser(sub, "diff", "structural diff of two programs (.pt2) or NNEF exports")
     diff.add_argument("a", type=Path)
     diff.add_argument("b", type=Path)
@@ -134,14 +149,17 @@ def _diff(a: Path, b: Path) -> int:
     return 0
 
 
-def _model_source(parser: argparse.ArgumentParser, required: bool) -> None:
+def _model_source(parser: argparse.ArgumentParser, required: bool,
+                  seed_flag: str = "--seed") -> None:
     source = parser.add_mutually_exclusive_group(required=required)
     source.add_argument("--family", help="a built-in tiny config (gdn_fx.hf.FAMILIES; "
                         "listed below)")
     source.add_argument("--config", type=Path, help="a transformers config.json")
     source.add_argument("--model", type=Path, dest="model_dir",
                         help="a transformers checkpoint folder (config.json + weights)")
-    parser.add_argument("--seed", type=int, default=0, help="weights seed for --family/--config")
+    # generate's --seed is the sampling seed: there the weights seed is --weights-seed.
+    parser.add_argument(seed_flag, type=int, default=0, dest="seed",
+                        help="weights seed for --family/--config")
 
 
 def _export(job) -> int:
@@ -240,6 +258,10 @@ def _dispatch(args) -> int:
         return _diff(args.a, args.b)
     from gdn_fx.pipeline import Job
 
+    if args.command == "demo" and args.text:
+        from gdn_fx.demo_text import run_demo
+
+        return run_demo(args.out)
     if args.command == "demo":
         return _export(Job(family="qwen3_5", out=args.out))
     if args.command == "generate":
@@ -268,14 +290,33 @@ def _export_generator(job, check: bool) -> int:
             main = _move_in(files.main, job.out)
             decode = None if files.decode is None else decode_path(main)
             report.files = dataclasses.replace(files, main=main, decode=decode)
+            _carry_text_files(job)
         print(_unstaged(render_generator(report), staged, job))
         _not_kept(report.ok, job.out)
     return 0 if report.ok else 1
 
 
+def _carry_text_files(job) -> None:
+    """The checkpoint's tokenizer and generation config beside the export (X.text), so that
+    ``generate --prompt TEXT`` needs no --model; nothing when the folder holds no tokenizer."""
+    from gdn_fx.text import save_text_files
+
+    if job.model_dir is not None:
+        carried = save_text_files(job.model_dir, job.out)
+        if carried is not None:
+            print(f"text: {carried} (tokenizer, generation config: generate --prompt TEXT "
+                  "reads them)")
+
+
 def _generate(args) -> int:
-    """Greedy tokens in tract; with --check, against transformers on the same model."""
+    """Greedy tokens in tract; with --check, against transformers on the same model. Text
+    prompts, sampling, stop strings and --json take the text path (gdn_fx.cli_text)."""
+    from gdn_fx.cli_text import generate_text, uses_text_path
     from gdn_fx.errors import UsageError
+
+    if uses_text_path(args):
+        with _pair_warnings_in_one_line():
+            return generate_text(args)
     from gdn_fx.hf.generator import Generator, check_generation
     from gdn_fx.pipeline import Job, build_model
 

@@ -46,10 +46,11 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drop tokens below this fraction of the likeliest's (0: off)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="penalize tokens already in the prompt or answer (1: off)")
-    parser.add_argument("--seed", type=int, default=None, dest="sample_seed",
+    parser.add_argument("--seed", type=int, default=None, dest="sample_seed", metavar="N",
                         help="the sampling seed (default: a fresh one, shown by --json)")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                        help="end at this text (not printed); repeat for several")
+                        help="end at this text (not printed; \\n and \\t stand for a new "
+                        "line and a tab); repeat for several")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON summary (text, tokens, rates) instead of the text")
 
@@ -144,6 +145,7 @@ def generate_text(args: argparse.Namespace) -> int:
         from gdn_fx.text import prompt_ids
 
         prompt = prompt_ids(tokenizer, text, chat=True, system=args.system)
+    args.stop = [stop.replace("\\n", "\n").replace("\\t", "\t") for stop in args.stop]
     run = _stream(args, prompt, tokenizer, sampling, max_new,
                   eos_ids(folder, tokenizer) if folder is not None else [],
                   context_length(folder) if folder is not None else None)
@@ -158,12 +160,12 @@ def _stream(args, prompt, tokenizer, sampling, max_new, eos, context):
     if not args.nnef.exists():
         raise UsageError(f"--nnef {args.nnef} does not exist")
     chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
-    start = time.perf_counter()
-    print(f"[load] {args.nnef} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()  # said once loaded: a refusal stays the one line on stderr
     generator = Generator.open(args.nnef, use_decode=not args.no_decode, prefill_chunk=chunk)
     graphs = "main and decode graphs" if generator.decode is not generator.main else \
         "main graph (serves decode)"
-    print(f"[load] {graphs} in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    print(f"[load] {args.nnef}: {graphs} in {time.perf_counter() - start:.2f} s",
+          file=sys.stderr, flush=True)
     return stream(generator, prompt, tokenizer=tokenizer, max_new_tokens=max_new,
                   sampling=sampling, eos=eos, stop=args.stop, context=context,
                   keep_logits=args.check)

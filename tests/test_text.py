@@ -17,11 +17,12 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from gdn_fx.errors import CheckpointError, GdnFxError, UsageError
+from gdn_fx.hf import tiny_model
 from gdn_fx.sampling import Sampling
 from gdn_fx.streaming import stream
 from gdn_fx.text import (DEMO_CHAT_TEMPLATE, Detokenizer, StopStrings, context_length,
                          demo_checkpoint, demo_corpus, demo_tokenizer, eos_ids, load_tokenizer,
-                         prompt_ids)
+                         prompt_ids, save_text_files)
 
 TEXTS = ["The keeper lit the lamp.", "café crème brûlée", "日本 is Japan, こんにちは",
          "stars 🌟 and a boat ⛵ 🙂", "naïve → déjà vu ≈ 12°C", "  two  spaces\nand a line"]
@@ -269,28 +270,154 @@ def test_chat_without_a_template_is_refused(tokenizer):
 
 # --- end to end: a text prompt in tract ------------------------------------------------------
 
-@pytest.mark.slow  # one generation-ready export of the tiny model (~20 s)
-def test_tract_generates_from_text_what_transformers_generates(folder, tokenizer, tmp_path):
-    from gdn_fx.hf.generator import Generator, export_generator
+@pytest.fixture(scope="module")
+def exported(folder, tmp_path_factory):
+    """The demo checkpoint exported generation-ready by the command (~20 s, unchecked: the
+    tests check it), which carries the tokenizer beside it (X.text)."""
+    from gdn_fx.cli import main
+    from gdn_fx.hf.generator import GeneratorFiles, decode_path
 
-    exported = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
-    reference = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
-    files = export_generator(exported, tmp_path / "demo.nnef.tgz")
-    generator = Generator(files.main, files.decode)
+    out = tmp_path_factory.mktemp("nnef") / "demo.nnef.tgz"
+    assert main(["export", "--model", str(folder), "--out", str(out), "--no-check"]) == 0
+    assert (out.parent / "demo.text" / "tokenizer.json").is_file()
+    return GeneratorFiles(out, decode_path(out), (), ())
+
+
+@pytest.mark.slow  # one generation-ready export of the tiny model (~20 s)
+def test_tract_generates_from_text_what_transformers_generates(folder, tokenizer, model,
+                                                               exported):
+    from gdn_fx.hf.generator import Generator
+
+    generator = Generator(exported.main, exported.decode)
     eos = eos_ids(folder)
     for text, chat in ((PROMPT, False), ("Do you get lonely out here? 🙂", True)):
         ids = prompt_ids(tokenizer, text, chat=chat)
         run = stream(generator, text, tokenizer=tokenizer, chat=chat, max_new_tokens=24,
                      eos=eos)
         pieces = list(run)
-        want = _hf_greedy(reference, ids, 24, eos=eos)
+        want = _hf_greedy(model, ids, 24, eos=eos)
         assert run.summary.prompt == ids
         assert [p.token for p in pieces] == want, (text, chat)
         assert "".join(p.text for p in pieces) == tokenizer.decode(want,
                                                                    skip_special_tokens=True)
         assert run.summary.prefill_s > 0 and run.summary.first_token_s >= run.summary.prefill_s
-    sampled = [[p.token for p in stream(generator, PROMPT, tokenizer=tokenizer,
-                                        max_new_tokens=12, sampling=Sampling(
-                                            temperature=0.8, top_k=40, seed=9))]
+    sampled = [[p.token for p in generator.stream(PROMPT, tokenizer=tokenizer,
+                                                  max_new_tokens=12, sampling=Sampling(
+                                                      temperature=0.8, top_k=40, seed=9))]
                for _ in range(2)]
     assert sampled[0] == sampled[1]  # the same seed, the same tokens (the kept States reused)
+
+
+# --- the command line ------------------------------------------------------------------------
+
+def _cli(argv, capsys, stdin=None, monkeypatch=None):
+    from gdn_fx.cli import main
+
+    if stdin is not None:
+        import io
+
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    status = main(["generate", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.slow  # uses the export above
+def test_the_command_streams_the_answer_to_a_text_prompt(folder, tokenizer, model, exported,
+                                                         capsys, tmp_path, monkeypatch):
+    want = _hf_greedy(model, tokenizer(PROMPT)["input_ids"], 16, eos=eos_ids(folder))
+    answer = tokenizer.decode(want, skip_special_tokens=True)
+    common = ["--nnef", exported.main, "--max-new-tokens", 16]
+    status, out, err = _cli([*common, "--model", folder, "--prompt", PROMPT], capsys)
+    assert status == 0 and out == answer + "\n"
+    assert "tokens/s" in err and "first token after" in err
+    (tmp_path / "p.txt").write_text(PROMPT + "\n")
+    # no --model: the tokenizer carried beside the export
+    assert _cli([*common, "--prompt-file", tmp_path / "p.txt"], capsys)[1] == answer + "\n"
+    assert _cli([*common, "--prompt", "-"], capsys, PROMPT + "\n", monkeypatch)[1] == \
+        answer + "\n"
+    status, out, _ = _cli([*common, "--prompt", PROMPT, "--json"], capsys)
+    found = json.loads(out)
+    assert status == 0 and found["tokens"] == want and found["text"] == answer
+    assert found["finish_reason"] in ("eos", "length") and found["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.slow  # uses the export above
+def test_the_command_checks_a_chat_answer_and_repeats_a_seeded_one(folder, exported, capsys):
+    common = ["--nnef", exported.main, "--model", folder, "--max-new-tokens", 12]
+    status, _, err = _cli([*common, "--prompt", "Is the light ever dark?", "--chat",
+                           "--check"], capsys)
+    assert status == 0 and "every token equal" in err and err.rstrip().endswith("OK")
+    sampled = ["--prompt", PROMPT, "--temperature", 0.9, "--top-k", 30, "--top-p", 0.9,
+               "--min-p", 0.01, "--repetition-penalty", 1.1, "--seed", 4, "--json"]
+    first, again = (json.loads(_cli([*common, *sampled], capsys)[1]) for _ in range(2))
+    assert first["tokens"] == again["tokens"] and first["seed"] == 4
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--prompt", "hi", "--temperature", -1], "--temperature must be >= 0"),
+    (["--prompt", "hi", "--temperature", 1, "--top-p", 0], "--top-p must be in (0, 1]"),
+    (["--prompt", "hi", "--temperature", 1, "--top-p", 1.5], "--top-p must be in (0, 1]"),
+    (["--prompt", "hi", "--temperature", 1, "--top-k", -2], "--top-k must be an int >= 0"),
+    (["--prompt", "hi", "--temperature", 1, "--min-p", 2], "--min-p must be in [0, 1]"),
+    (["--prompt", "hi", "--max-new-tokens", 0], "--max-new-tokens must be >= 1"),
+    (["--prompt", "hi", "--max-new-tokens", -5], "--max-new-tokens must be >= 1"),
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "hi"], "a text prompt needs a tokenizer"),
+    (["--prompt-file", "/nonexistent/p.txt"], "--prompt-file /nonexistent/p.txt"),
+    (["--prompt", "hi", "--system", "x"], "--system goes with --chat"),
+    (["--prompt", "hi", "--check"], "--check needs the model"),
+])
+def test_bad_command_lines_are_one_line_and_status_2(argv, words, capsys, tmp_path):
+    status, out, err = _cli(["--nnef", tmp_path / "none.nnef.tgz", *argv], capsys)
+    assert status == 2 and words in err and err.count("\n") == 1 and out == ""
+
+
+def test_a_text_prompt_and_a_folder_without_a_tokenizer(capsys, tmp_path, folder):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((folder / name).read_bytes())
+    status, out, err = _cli(["--nnef", tmp_path / "x.nnef.tgz", "--model", bare,
+                             "--prompt", "hi"], capsys)
+    assert status == 2 and "holds no tokenizer" in err and err.count("\n") == 1 and out == ""
+
+
+def test_a_missing_nnef_is_one_line(capsys, tmp_path, folder):
+    status, out, err = _cli(["--nnef", tmp_path / "none.nnef.tgz", "--model", folder,
+                             "--prompt", "hi"], capsys)
+    assert status == 2 and "does not exist" in err and err.count("\n") == 1 and out == ""
+
+
+def test_the_text_files_are_carried_beside_an_export(folder, tmp_path):
+    nnef = tmp_path / "m.nnef.tgz"
+    carried = save_text_files(folder, nnef)
+    assert carried == tmp_path / "m.text"
+    assert {p.name for p in carried.iterdir()} == {
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+        "chat_template.jinja"}  # no weights
+    tokenizer = load_tokenizer(carried)
+    assert tokenizer.decode(tokenizer("日本 🌟")["input_ids"]) == "日本 🌟"
+    assert eos_ids(carried) == [2, 4] and save_text_files(tmp_path, nnef) is None
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_fitted_demo_model_learns_the_corpus(tmp_path):
+    from gdn_fx.text import train_on_corpus
+
+    tokenizer = demo_tokenizer()
+    model = tiny_model("qwen3_5", vocab_size=len(tokenizer))
+    window = torch.tensor([tokenizer(demo_corpus())["input_ids"][:64]])
+    with torch.no_grad():
+        before = float(model(input_ids=window, labels=window).loss)
+    train_on_corpus(model, tokenizer, steps=8)
+    with torch.no_grad():
+        after = float(model(input_ids=window, labels=window).loss)
+    assert after < before - 0.5, (before, after)
+
+
+def test_a_truncated_nnef_is_one_line(capsys, tmp_path, folder):
+    cut = tmp_path / "cut.nnef.tgz"
+    cut.write_bytes(b"\x1f\x8b" + b"not a whole archive" * 10)
+    status, out, err = _cli(["--nnef", cut, "--model", folder, "--prompt", "hi"], capsys)
+    assert status == 2 and "tract cannot load" in err and err.count("\n") == 1 and out == ""

@@ -591,6 +591,15 @@ class Generator:
                                        piece, caches)
         return logits, caches
 
+    def stream(self, prompt, **options):
+        """Text or token ids in, one ``gdn_fx.streaming.Piece`` (token, printable text) out
+        per token as it is chosen: ``gdn_fx.streaming.stream(self, prompt, **options)``
+        (``tokenizer``, ``max_new_tokens``, ``sampling``, ``eos``, ``stop``, ``chat``,
+        ``context``); the returned stream's ``summary`` has the rates once it ends."""
+        from gdn_fx.streaming import stream
+
+        return stream(self, prompt, **options)
+
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  progress: bool = False) -> GenerationResult:
         """Greedy continuation of ``prompt_ids`` (batch 1) by ``max_new_tokens`` tokens.
