@@ -234,8 +234,9 @@ def stream(source, prompt: Union[str, Sequence[int]], *, tokenizer=None,
     last token); ``stop``: strings that end it (the text stops before them; needs a
     tokenizer); ``context``: the model's context length: a longer prompt is refused, and
     generation stops at it; ``keep_logits``: the raw logits of every step are kept in the
-    stream's ``logits`` (for ``check_generation``). Arguments are checked before any model call (one-line
-    UsageError): an empty prompt, ids outside the vocabulary, ``max_new_tokens < 1``."""
+    stream's ``logits`` (for ``check_generation``). Arguments are checked before any model
+    call (one-line UsageError): an empty prompt, ids outside the vocabulary,
+    ``max_new_tokens < 1``."""
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     stop = [stop] if isinstance(stop, str) else list(stop)
     session = _session(source)
