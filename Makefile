@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine with only python3:
-#   make demo    set up .venv, then run the embedded default end to end
+#   make demo    set up .venv, then the embedded default end to end: text in, text out
 #   make test    set up .venv, then run the test suite
 # `make test-fast` skips the whole-model tests (marker "slow"): the loop while developing.
 # `make bench` runs the benchmarks (bench/, prints markdown tables).
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/gdn-fx demo
+	$(VENV)/bin/gdn-fx demo --text
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
