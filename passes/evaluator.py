@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
+from gdn_fx.passes.program import mutates
 from gdn_fx.passes.result import NoMatch
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -262,15 +263,17 @@ class _Sides(Float64):
         self.watched, self.seen = watched, seen
 
     def run_node(self, n):
-        result = super().run_node(n)
         tests = self.watched.get(n)
-        if tests is not None:
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            preds = tests(args, kwargs, result)
-            sides = self.seen.setdefault(n, [set() for _ in preds])
-            for side, pred in zip(sides, preds):
-                side.update({True} if pred.all() else {False} if not pred.any() else
-                            {True, False})
+        if tests is None:
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if mutates(n):  # clamp_ overwrites its input: the sides are those of the input as it was
+            args = (args[0].clone(), *args[1:])
+        result = super().run_node(n)
+        preds = tests(args, kwargs, result)
+        sides = self.seen.setdefault(n, [set() for _ in preds])
+        for side, pred in zip(sides, preds):
+            side.update({True} if pred.all() else {False} if not pred.any() else {True, False})
         return result
 
 

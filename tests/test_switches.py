@@ -60,6 +60,18 @@ def test_a_negative_threshold_on_few_entries_is_reached_by_flipping_the_sign():
     assert any((ins[0] < -5).any() for ins, _ in extra)
 
 
+def test_an_in_place_clamp_is_seen_on_its_input_as_it_was():
+    """clamp_ overwrites its input: read after the run, no value would ever lie beyond the
+    bounds, and the region would be refused though the points do cross them."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.mul.Tensor, (x, 1.0))
+    graph.call_function(torch.ops.aten.clamp_.default, (y, -20.0, 20.0))
+    graph.output((y,))
+    extra = covering_points(torch.nn.Module(), graph, [_uniform(5)])
+    assert any((ins[0].abs() > 20).any() for ins, _ in extra)
+
+
 def test_a_switch_no_scaling_reaches_refuses_naming_it():
     owner, graph = _graph(lambda s: torch.maximum(s, s - 1.0), torch.randn(4))
     with pytest.raises(NoMatch, match=r"maximum.*both of its sides"):
