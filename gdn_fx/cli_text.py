@@ -33,6 +33,13 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="the prompt text ('-': read it from stdin)")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt text from a file")
     prompt.add_argument("--prompt-ids", help="token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompts-file", type=Path,
+                        help="several prompts, one per line (text where a tokenizer is found, "
+                        "else token ids such as 1,2,3); each answer is printed whole, in order "
+                        "(--json: one JSON line per prompt)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="with --prompts-file: threads generating at once, each with its "
+                        "own tract State on the one loaded model")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt in the tokenizer's chat template (a user turn, "
                         "the assistant's turn opened)")
@@ -60,6 +67,8 @@ def uses_text_path(args: argparse.Namespace) -> bool:
     changed = any(getattr(args, name, default) != default
                   for name, default in SAMPLING_FLAGS.items() if name != "seed")
     return (args.prompt is not None or args.prompt_file is not None or args.chat
+            or getattr(args, "prompts_file", None) is not None
+            or getattr(args, "workers", 1) != 1
             or changed or bool(args.stop) or args.json or getattr(args, "sample_seed", None)
             is not None)
 
@@ -133,6 +142,8 @@ def generate_text(args: argparse.Namespace) -> int:
                          "out --temperature and --repetition-penalty")
     if args.system and not args.chat:
         raise UsageError("--system goes with --chat")
+    if args.workers != 1 and args.prompts_file is None:
+        raise UsageError("--workers goes with --prompts-file (one prompt runs on one thread)")
     if args.check and not (args.family or args.config or args.model_dir):
         raise UsageError("--check needs the model: --family, --config or --model")
     folder = text_source(args)
@@ -140,22 +151,51 @@ def generate_text(args: argparse.Namespace) -> int:
         raise UsageError("a text prompt needs a tokenizer: --model CHECKPOINT_DIR (a folder "
                          "holding one), or an export that carries one beside --nnef")
     tokenizer = load_tokenizer(folder) if folder is not None else None
+    args.stop = [stop.replace("\\n", "\n").replace("\\t", "\t") for stop in args.stop]
+    options = dict(tokenizer=tokenizer, max_new_tokens=max_new, sampling=sampling,
+                   eos=eos_ids(folder, tokenizer) if folder is not None else [],
+                   stop=args.stop, context=context_length(folder) if folder is not None
+                   else None, keep_logits=args.check)
+    if args.prompts_file is not None:
+        return _many(args, prompts_of_file(args.prompts_file, tokenizer, args), options)
     prompt = text if text is not None else prompt_id_list(args.prompt_ids)
     if text is not None and args.chat:
         from gdn_fx.text import prompt_ids
 
         prompt = prompt_ids(tokenizer, text, chat=True, system=args.system)
-    args.stop = [stop.replace("\\n", "\n").replace("\\t", "\t") for stop in args.stop]
-    run = _stream(args, prompt, tokenizer, sampling, max_new,
-                  eos_ids(folder, tokenizer) if folder is not None else [],
-                  context_length(folder) if folder is not None else None)
-    return _report(args, run)
+    return _report(args, _stream(args, prompt, options))
 
 
-def _stream(args, prompt, tokenizer, sampling, max_new, eos, context):
-    """The Generator loaded (timed, on stderr) and the stream started."""
+def prompts_of_file(path: Path, tokenizer, args: argparse.Namespace) -> list:
+    """The prompts of ``--prompts-file``, one per non-empty line: text (chat-wrapped with
+    --chat) where there is a tokenizer, else token ids (``1,2,3``)."""
+    from gdn_fx.text import prompt_ids
+
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines()
+                 if line.strip()]
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"--prompts-file {path}: cannot read it "
+                         f"({type(error).__name__})") from None
+    if not lines:
+        raise UsageError(f"--prompts-file {path} holds no prompt (one per line)")
+    if tokenizer is None:
+        found = []
+        for number, line in enumerate(lines, 1):
+            try:
+                found.append(prompt_id_list(line))
+            except UsageError as error:
+                raise UsageError(f"--prompts-file {path} line {number}: with no tokenizer "
+                                 f"each line is token ids: {error}") from None
+        return found
+    if args.chat:
+        return [prompt_ids(tokenizer, line, chat=True, system=args.system) for line in lines]
+    return lines
+
+
+def _load(args):
+    """The Generator of --nnef, its load timed on stderr."""
     from gdn_fx.hf.generator import Generator
-    from gdn_fx.streaming import stream
 
     if not args.nnef.exists():
         raise UsageError(f"--nnef {args.nnef} does not exist")
@@ -166,9 +206,47 @@ def _stream(args, prompt, tokenizer, sampling, max_new, eos, context):
         "main graph (serves decode)"
     print(f"[load] {args.nnef}: {graphs} in {time.perf_counter() - start:.2f} s",
           file=sys.stderr, flush=True)
-    return stream(generator, prompt, tokenizer=tokenizer, max_new_tokens=max_new,
-                  sampling=sampling, eos=eos, stop=args.stop, context=context,
-                  keep_logits=args.check)
+    return generator
+
+
+def _stream(args, prompt, options):
+    """The Generator loaded and the stream started."""
+    from gdn_fx.streaming import stream
+
+    return stream(_load(args), prompt, **options)
+
+
+def _many(args, prompts: list, options: dict) -> int:
+    """Every prompt of --prompts-file run to its end by --workers threads; the answers in
+    order (text, or one JSON line each), the aggregate rate and --check's verdicts on
+    stderr. 0, or 1 when --check finds a difference."""
+    from gdn_fx.parallel import check_workers, stream_all
+
+    workers = check_workers(args.workers)
+    generator = _load(args)
+    start = time.perf_counter()
+    runs = stream_all(generator, prompts, workers, **options)
+    elapsed = time.perf_counter() - start
+    model = _checked_model(args) if args.check else None
+    failed = 0
+    for index, run in enumerate(runs):
+        found = _check(args, run, model) if model is not None else None
+        failed += found is not None and not found.ok
+        summary = run.summary
+        if args.json:
+            values = {"prompt_index": index, **summary.as_dict()}
+            if found is not None:
+                values["check"] = {"ok": found.ok, "text": str(found)}
+            print(json.dumps(values, ensure_ascii=False))
+        else:
+            print(f"=== prompt {index}")
+            print(summary.text if run.tokenizer is not None else
+                  "tokens: " + ",".join(map(str, summary.tokens)))
+    total = sum(len(run.summary.tokens) for run in runs)
+    print(f"tract: {len(runs)} prompts, {total} new tokens in {elapsed:.2f} s "
+          f"({total / elapsed:.1f} tokens/s aggregate) on {workers} worker thread(s)",
+          file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _report(args, run) -> int:
@@ -192,13 +270,19 @@ def _report(args, run) -> int:
     return 0 if found is None or found.ok else 1
 
 
-def _check(args, run):
-    """Every token and logit against transformers' generate on the same model."""
-    from gdn_fx.hf.generator import GenerationResult, check_generation
+def _checked_model(args):
+    """(model, name) that --check compares with."""
     from gdn_fx.pipeline import Job, build_model
 
-    model, name = build_model(Job(family=args.family, config=args.config,
-                                  model_dir=args.model_dir, seed=args.seed))
+    return build_model(Job(family=args.family, config=args.config, model_dir=args.model_dir,
+                           seed=args.seed))
+
+
+def _check(args, run, checked=None):
+    """Every token and logit against transformers' generate on the same model."""
+    from gdn_fx.hf.generator import GenerationResult, check_generation
+
+    model, name = checked or _checked_model(args)
     summary = run.summary
     result = GenerationResult(summary.prompt, list(summary.tokens), list(run.logits),
                               summary.prefill_s, summary.decode_s)

@@ -26,6 +26,7 @@ with the decode candidates; same inputs, same outputs.
 
 from __future__ import annotations
 
+import copy
 import numbers
 import re
 import shutil
@@ -288,8 +289,6 @@ def with_stored_weights(model: nn.Module, path: Union[str, Path]) -> nn.Module:
     rounded, Q4_0 dequantized; ``tract_check.stored_parameters``): the model tract runs, to
     check a compressed export against transformers. A product's own Q4_0 copy of a table
     the embedding also reads (label ``<name>_q4_0``) unties it in the copy."""
-    import copy
-
     from gdn_fx import tract_check
 
     twin = copy.deepcopy(model)
@@ -531,6 +530,18 @@ class Generator:
                                 "re-export, or let the main graph serve decode (gdn-fx "
                                 "generate --no-decode, Generator(main))")
         return generator
+
+    def fork(self) -> "Generator":
+        """A Generator over the same loaded graphs with tract States of its own: one per
+        thread (a State is the scratch memory a call writes; the loaded model, tract's
+        Runnable, is shared read-only, so a fork costs no second copy of the weights). tract's
+        package calls its C library through ctypes, which releases the GIL for each call:
+        forks in several threads run on several cores (gdn_fx.parallel)."""
+        twin = copy.copy(self)
+        twin.main = self.main_graph.runnable.spawn_state()
+        twin.decode = twin.main if self.decode is self.main else \
+            self.decode_graph.runnable.spawn_state()
+        return twin
 
     def _graph_of(self, state) -> LoadedGraph:
         return self.decode_graph if state is self.decode else self.main_graph
