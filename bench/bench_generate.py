@@ -14,6 +14,9 @@ matmuls, so that ratio bounds how far tract's prefill can get ahead of torch's.
     .venv/bin/python bench/bench_generate.py --quick      # 4 layers, vocab 32k (~2 min)
     .venv/bin/python bench/bench_generate.py --formats f16   # only the f16 artifact
     .venv/bin/python bench/bench_generate.py --formats q4_0  # f32 model, Q4_0 matmul weights
+    .venv/bin/python bench/bench_generate.py --quick --formats f32 --no-peer --pair
+        # the one-graph artifact (the default export) beside the pair of earlier releases
+        # (export_generator(decode=True): + X.decode.nnef.tgz, a second copy of the weights)
 """
 
 from __future__ import annotations
@@ -201,6 +204,10 @@ def main(argv=None) -> None:
                         help="reuse the peer's export made into this --workdir by an earlier "
                         "run (bench/peer.py; its 0.8B export takes ~15-30 min)")
     parser.add_argument("--no-peer", action="store_true", help="leave the peer out")
+    parser.add_argument("--pair", action="store_true",
+                        help="also export each format as the pair of earlier releases (the "
+                        "main graph + its S = 1 decode graph, decode=True) and measure it "
+                        "beside the one-graph artifact")
     args = parser.parse_args(argv)
     common.silence_warnings()
     torch.set_num_threads(1)
@@ -208,10 +215,13 @@ def main(argv=None) -> None:
     rounds = common.rounds_for(args, full=2, quick=1)
     folder = Path(args.workdir or tempfile.mkdtemp(prefix="gdn_fx_gen_"))
     artifacts, notes = {}, []
-    for fmt in args.formats:  # each export in its own process: its memory is returned after
-        artifacts[fmt] = _child("export_format", shape, fmt, str(folder))
-        notes.append(f"{fmt}: decode graph "
-                     f"{'written' if artifacts[fmt]['decode'] else 'none'}")
+    labels = [(fmt, "") for fmt in args.formats]
+    labels += [(fmt, "pair") for fmt in args.formats] if args.pair else []
+    for fmt, pair in labels:  # each export in its own process: its memory is returned after
+        label = f"{fmt} {pair}".strip()
+        artifacts[label] = _child("export_format", shape, fmt, str(folder), pair)
+        notes.append(f"{label}: decode graph "
+                     f"{'written' if artifacts[label]['decode'] else 'none'}")
     measured = {f"gdn-fx artifact in tract ({fmt})": [] for fmt in artifacts}
     measured["torch eager (f32)"] = []
     peer_art = _peer_export(args, shape, folder, notes)
@@ -244,7 +254,7 @@ def main(argv=None) -> None:
         "in the row's format (one row for decode, 512 rows for prefill)"))
     common.emit(common.markdown(
         ["path", "decode ms/token", "/ floor", f"prefill ms (S={PREFILL})", "/ floor",
-         "prefill in one call", "export", "NNEF (both graphs)", "load", "peak RSS"], rows))
+         "prefill in one call", "export", "NNEF (all its graphs)", "load", "peak RSS"], rows))
     flops = first["flops_per_token"]
     common.emit(f"\nFloors measured in this run: memory bandwidth {bw / 1e9:.1f} GB/s (one "
                 f"thread); tract's matmul peak, 1 / {PREFILL} rows: " + ", ".join(
@@ -277,9 +287,10 @@ def _row(name: str, runs: list, artifacts: dict, first: dict, bw: float,
          peak: dict) -> list:
     """One table row: medians over rounds, ratios to the row's floors (the larger of its
     weight bytes / bandwidth and its matmul FLOPs / tract's peak in the row's format)."""
-    fmt = next((f for f in artifacts if f"({f})" in name and "tract" in name), None)
-    art = artifacts.get(fmt, {})
+    label = next((f for f in artifacts if f"({f})" in name and "tract" in name), None)
+    art = artifacts.get(label, {})
     weights = art["weight_bytes"] if art else first["params"] * 4
+    fmt = art.get("format", "f32")
     one, many = peak[fmt if fmt in peak else "f32"]
     decode_floor = max(weights / bw, 2 * first["params"] / one)
     prefill_floor = first["flops_per_token"] * PREFILL / many
@@ -293,13 +304,15 @@ def _row(name: str, runs: list, artifacts: dict, first: dict, bw: float,
             common.human_bytes(int(med["peak_rss"]))]
 
 
-def export_format(shape: dict, fmt: str, folder: str) -> dict:
-    """``_export`` in a child process (bench/bench_generate.py runs each export alone)."""
-    return _export(shape, fmt, Path(folder))
+def export_format(shape: dict, fmt: str, folder: str, pair: str = "") -> dict:
+    """``_export`` in a child process (bench/bench_generate.py runs each export alone);
+    ``pair`` non-empty: with the decode graph (decode=True)."""
+    return _export(shape, fmt, Path(folder), bool(pair))
 
 
-def _export(shape: dict, fmt: str, folder: Path) -> dict:
-    """Build the model in ``fmt`` and write its generation-ready artifact; what was written."""
+def _export(shape: dict, fmt: str, folder: Path, pair: bool = False) -> dict:
+    """Build the model in ``fmt`` and write its generation-ready artifact (``pair``: with its
+    S = 1 decode graph, the pair of earlier releases); what was written."""
     from gdn_fx.hf.generator import export_generator
 
     dtype, weights = FORMATS[fmt]
@@ -307,7 +320,8 @@ def _export(shape: dict, fmt: str, folder: Path) -> dict:
     params = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight.numel()
     start = time.perf_counter()
-    files = export_generator(model, folder / f"model_{fmt}.nnef.tgz", weights=weights)
+    name = f"model_{fmt}{'_pair' if pair else ''}.nnef.tgz"
+    files = export_generator(model, folder / name, weights=weights, decode=pair)
     seconds = time.perf_counter() - start
     size = next(model.parameters()).element_size()
     written = [p for p in (files.main, files.decode) if p is not None]
@@ -317,7 +331,7 @@ def _export(shape: dict, fmt: str, folder: Path) -> dict:
                     else files.main.stat().st_size - embedding * size)
     # Prefill matmuls: every weight but the embedding table once per token (the tied head
     # runs on the last position only); attention's own S^2 terms are small at S = 512.
-    return dict(main=str(files.main), decode=str(files.decode or ""), export=seconds,
+    return dict(main=str(files.main), decode=str(files.decode or ""), export=seconds, format=fmt,
                 nnef=sum(p.stat().st_size for p in written), params=params, dtype_bytes=size,
                 weight_bytes=weight_bytes, flops_per_token=2 * (params - embedding))
 

@@ -22,7 +22,8 @@ Run "gdn-fx COMMAND --help" for a command's options.""",
   gdn-fx demo --out out/demo.nnef.tgz
   gdn-fx demo --text      # checkpoint + tokenizer made offline, export, text generation""",
     "export": """examples:
-  gdn-fx export --family qwen3_5 --out out/q.nnef.tgz     # + out/q.decode.nnef.tgz
+  gdn-fx export --family qwen3_5 --out out/q.nnef.tgz     # one graph: every S, decode too
+  gdn-fx export --family qwen3_5 --out out/q.nnef.tgz --decode-graph  # + q.decode.nnef.tgz
   gdn-fx export --model CHECKPOINT_DIR --out out/m.nnef.tgz --weights q4_0
   gdn-fx export --config config.json --seq-len 8 --out out/step.nnef.tgz
 
@@ -41,8 +42,9 @@ A text prompt needs the tokenizer: --model's folder, or the X.text folder that
 "gdn-fx export --model DIR" writes beside X.nnef.tgz. The answer goes to stdout as it is
 decoded, the rates (prefill and decode tokens/s, time to first token) to stderr.
 
-The decode graph beside --nnef (X.decode.nnef.tgz) is used when the export wrote one; it
-must carry the main graph's fingerprint.""",
+The decode graph beside --nnef (X.decode.nnef.tgz, written by "export --decode-graph") is
+used when there is one; it must carry the main graph's fingerprint. Without it the one graph
+serves decode.""",
     "diff": """examples:
   gdn-fx diff a.pt2 b.pt2
   gdn-fx diff out/a.nnef.tgz out/b.nnef.tgz""",
@@ -104,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--generalize", action="store_true",
                         help="generation-ready route without reify: torch.export at fixed "
                         "(S, P), collapse, gdn_fx.generalize to symbolic S and P")
+    export.add_argument("--decode-graph", action="store_true",
+                        help="also write the S = 1 graph X.decode.nnef.tgz (the pair of "
+                        "earlier releases: a second copy of the weights; by default the one "
+                        "graph serves decode, its scans taking one step at S = 1)")
     export.add_argument("--no-check", action="store_true",
                         help="skip the short tract generation compared with transformers")
     generate = _subparser(sub, "generate", "generation in tract from an export: text or "
@@ -269,7 +275,8 @@ def _dispatch(args) -> int:
     job = Job(family=args.family, config=args.config, model_dir=args.model_dir, out=args.out,
               seq_len=args.seq_len or 1, dynamic_seq=args.dynamic_seq, dtype=args.dtype,
               seed=args.seed, weights=args.weights,
-              route="generalize" if args.generalize else "reify", runtime=args.runtime)
+              route="generalize" if args.generalize else "reify", runtime=args.runtime,
+              decode_graph=args.decode_graph)
     if args.seq_len is None and not args.dynamic_seq:
         return _export_generator(job, check=not args.no_check)
     return _export(job)

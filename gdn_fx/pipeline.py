@@ -38,6 +38,9 @@ class Job:
     # fixed (S, P), collapsed and generalized: gdn_fx.hf.generalized)
     route: str = "reify"
     runtime: str = "cpu"  # the tract runtime the NNEF is lowered for: cpu or cuda (export_nnef)
+    # generation-ready artifact: also write the S = 1 graph beside it (the pair of earlier
+    # releases; by default one graph serves every S: one copy of the weights)
+    decode_graph: bool = False
 
 
 @dataclass
@@ -205,10 +208,12 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
 
         with _timed(report, "export", say, "torch.export at fixed (S, P), collapse, "
                     "generalize, NNEF"):
-            files = export_generalized(model, job.out, say=say, weights=job.weights)
+            files = export_generalized(model, job.out, say=say, weights=job.weights,
+                                       decode=job.decode_graph)
     else:
         with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"):
-            files = export_generator(model, job.out, say=say, weights=job.weights)
+            files = export_generator(model, job.out, say=say, weights=job.weights,
+                                     decode=job.decode_graph)
     report.files = files
     report.expected = DecodeStep(model).expected_fusions
     report.decisions = {p: tract_check.read_decisions(p) for p in (files.main, files.decode)

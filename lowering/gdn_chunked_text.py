@@ -165,15 +165,16 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str) -> list[s
         f"st0 = reshape(s0, shape = [-1, {facts.groups}], axis_start = 0, axis_count = 2);"]
 
 
-def finish_lines(facts: ScanFacts) -> list[str]:
-    """Chunk outputs [n, M, G, C, Dv] back to [B, S, Hv, Dv]; the final state to the contract."""
+def finish_lines(facts: ScanFacts, fin: str = "fin") -> list[str]:
+    """Chunk outputs [n, M, G, C, Dv] back to [B, S, Hv, Dv]; the final state ``fin`` to the
+    contract."""
     hk = facts.key_heads
     return [f"o6 = transpose(reshape(oo, shape = [-1, {hk}], axis_start = 1, axis_count = 1),"
             " axes = [1, 0, 4, 2, 3, 5]);",
             "o4 = reshape(reshape(o6, shape = [-1], axis_start = 1, axis_count = 2),"
             " shape = [-1], axis_start = 2, axis_count = 2);",
             "out = slice(o4, axes = [1], begin = [0], end = [n]);",
-            f"final = reshape(fin, shape = [-1, {facts.value_heads}], axis_start = 0,"
+            f"final = reshape({fin}, shape = [-1, {facts.value_heads}], axis_start = 0,"
             " axis_count = 2);"]
 
 
@@ -217,10 +218,13 @@ def unrolled_loop_lines(chunks: int, suffix: str) -> list[str]:
 
 
 def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
-                per_step: int = 2, leaf: int = 16) -> str:
+                per_step: int = 2, leaf: int = 16, guarded: bool = False) -> str:
     """Every fragment of one node configuration; ``unrolled_chunks`` 0 means the scan form
     (``per_step`` chunks per iteration) with a run-time pad, else that many chunks written out
-    (static S)."""
+    (static S). ``guarded`` (scan form): the main fragment takes one more input, ``ran`` (a
+    boolean scalar, false when the loop runs zero iterations), and its final state is the
+    initial one where it is false: tract 0.23.9's scan of zero iterations returns a scalar for
+    its state (lowering/gdn_split.py, whose sequences may hold no whole chunk)."""
     parts = [common.fragment_text(f"gdn_fx_chunked_chunk{suffix}", ["state", *CHUNK_INPUTS],
                                   ["new_state", "o"], chunk_lines())]
     if unrolled_chunks:
@@ -234,9 +238,11 @@ def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
             f"gdn_fx_chunked_scan_step{suffix}",
             ["state", *(f"{n}_c" for n in CHUNK_INPUTS)],
             ["new_state", "o_c"], scan_step_lines(per_step, suffix)))
+    guard = ["fing = select(ran, fin, st0);"] if guarded else []
     main = (prepare_lines(facts, chunk, pad, suffix) + inverse_part_lines(chunk, leaf) + loop
-            + finish_lines(facts))
+            + guard + finish_lines(facts, "fing" if guarded else "fin"))
     parts.append(common.fragment_text(f"gdn_fx_chunked{suffix}",
-                                      ["q", "k", "v", "g", "beta", "s0", *CONSTANTS],
+                                      ["q", "k", "v", "g", "beta", "s0", *CONSTANTS,
+                                       *(["ran"] if guarded else [])],
                                       ["out", "final"], main))
     return "\n".join(parts)

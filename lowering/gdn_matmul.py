@@ -142,16 +142,21 @@ def emit_step(ctx: EmitContext) -> list:
     return _emit(ctx, single=True)
 
 
+def masks(ctx: EmitContext, work: str) -> list:
+    """The 0/1 masks that pull the two readout rows out of the step's matmul result."""
+    return [common.variable(ctx, f"mask{i}", np.eye(2)[i].reshape(1, 1, 2, 1), work)
+            for i in range(2)]
+
+
 def _emit(ctx: EmitContext, single: bool) -> list:
     facts = ctx.facts
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work)
-    masks = [common.variable(ctx, f"mask{i}", np.eye(2)[i].reshape(1, 1, 2, 1), work)
-             for i in range(2)]
     name, frag = common.fragment(
         "gdn_fx_matmul", lambda suffix: fragment_definitions(facts, single, suffix))
     out = ctx.tensor("out", facts.shapes["v"], work)
     final = ctx.tensor("final_state", facts.shapes["initial_state"], work)
-    ctx.apply_multi(name, operands + masks + [common.scale_variable(ctx, work)], (out, final))
+    ctx.apply_multi(name, operands + masks(ctx, work) + [common.scale_variable(ctx, work)],
+                    (out, final))
     common.finish_outputs(ctx, out, final)
     return [frag]

@@ -11,7 +11,10 @@ B=1, 16 heads of 128; bench/bench_conv.py: 6144 channels, K=4). By shape class:
   operator's time);
 - gated_delta_scan, static prefill up to 1024 (GDN gate, q/k l2norm in the node):
   "chunked_unrolled" (chunks written out, shrunk for short S; up to 16 chunks of 64);
-- gated_delta_scan, longer or symbolic S (same conditions): "chunked" (a loop over chunks);
+- gated_delta_scan, symbolic S (same conditions): "split" (the loop over chunks for the
+  whole chunks, then a loop of matmul steps for the S mod 64 tokens left: at S = 1 it costs
+  one step, so one graph serves decode and prefill; lowering/gdn_split.py);
+- gated_delta_scan, static S past 16 chunks (same conditions): "chunked" (a loop over chunks);
 - gated_delta_scan, KDA gates or qk_l2norm=False: "matmul" (a loop of matmul steps);
 - causal_conv1d_update, static S = 1 or symbolic S: "portable" (K multiply-adds; ~2x faster
   than the native operator, 1.7-2x faster than "depthwise" at S = 1; with a symbolic S tract
@@ -44,7 +47,7 @@ from typing import Callable, Optional, Union
 
 from gdn_fx.errors import InternalError, LoweringUnsupported, UnknownName
 from gdn_fx.lowering import (conv_native, conv_portable, gdn_chunked, gdn_chunked_parallel,
-                             gdn_matmul, gdn_native, gdn_scan)
+                             gdn_matmul, gdn_native, gdn_scan, gdn_split)
 from gdn_fx.lowering.choice import Choice
 from gdn_fx.lowering.facts import ConvFacts, ScanFacts, describe
 from gdn_fx.lowering.target import Target
@@ -80,6 +83,8 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
     "gated_delta_scan": (  # CPU order measured with bench/bench_gdn_fast.py (see above)
         Candidate("matmul_step", gdn_matmul.check_step, gdn_matmul.emit_step),
         Candidate("chunked_unrolled", gdn_chunked.check_unrolled, gdn_chunked.emit_unrolled),
+        Candidate("split", gdn_split.check, gdn_split.emit, suits=gdn_split.suits,
+                  device=_on_cpu_under_cuda),
         Candidate("chunked", gdn_chunked.check, gdn_chunked.emit, device=_on_cpu_under_cuda),
         Candidate("matmul", gdn_matmul.check, gdn_matmul.emit, device=_on_cpu_under_cuda),
         Candidate("native", gdn_native.check, gdn_native.emit, suits=gdn_native.suits,
@@ -100,7 +105,7 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
 # The order under tract's CUDA runtime (bench/bench_cuda.py on an H200; see above).
 CUDA_ORDER: dict[str, tuple[str, ...]] = {
     "gated_delta_scan": ("native", "chunked_parallel", "matmul_step", "chunked_unrolled",
-                         "chunked", "matmul", "scan"),
+                         "chunked", "split", "matmul", "scan"),
     "causal_conv1d_update": ("depthwise", "portable", "native"),
 }
 

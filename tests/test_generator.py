@@ -20,7 +20,7 @@ from gdn_fx.errors import ExportRefused
 from gdn_fx.hf import tiny_model
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
 from gdn_fx.hf.decode import DecodeStep
-from gdn_fx.hf.generator import (Generator, auto_prefill_chunk,
+from gdn_fx.hf.generator import (NOT_ASKED, Generator, auto_prefill_chunk,
                                  check_generation, decode_path, decode_problem,
                                  export_generator)
 
@@ -97,9 +97,25 @@ def test_the_automatic_prefill_chunk_follows_the_widest_projection(tmp_path):
     assert auto_prefill_chunk(text, l2_bytes=1 << 40) == 512  # the ceiling
 
 
+def test_one_graph_by_default_serving_decode_with_split(tmp_path):
+    """Issue 31: one file (one copy of the weights); its delta-rule scans take "split" (chunks,
+    then steps: one step at S = 1) and its conv updates "portable"; decode runs on it."""
+    model = tiny_model("qwen3_5")
+    (tmp_path / "q.decode.nnef.tgz").write_bytes(b"a decode graph of an earlier export")
+    files = export_generator(model, tmp_path / "q.nnef.tgz")
+    assert files.decode is None and files.decode_note == NOT_ASKED
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.nnef.tgz"]  # the stale one gone
+    assert set(tract_check.read_decisions(files.main).values()) == {"split", "portable"}
+    generator = Generator(files.main, files.decode)
+    assert generator.decode is generator.main  # one tract State serves both
+    found = check_generation(model, generator.generate(_prompt(70), 8))  # 64 + 6: both parts
+    assert found.ok, str(found)
+
+
 def test_the_artifact_declares_symbolic_lengths_and_the_contract_order(tmp_path):
     model = tiny_model("qwen3_5")
-    files = export_generator(model, tmp_path / "q.nnef.tgz")
+    files = export_generator(model, tmp_path / "q.nnef.tgz", decode=True)  # the pair
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.decode.nnef.tgz", "q.nnef.tgz"]
     text = tract_check.nnef_text(files.main)
     assert "extension tract_symbol S;" in text and "extension tract_symbol P;" in text
     assert "tract_assert P >= 0" in text and "tract_assert S >= 1" in text
@@ -110,7 +126,7 @@ def test_the_artifact_declares_symbolic_lengths_and_the_contract_order(tmp_path)
     # The decode graph: same inputs and outputs, S fixed at 1, the decode candidates.
     assert files.decode == decode_path(files.main) and files.decode.exists()
     assert set(tract_check.read_decisions(files.decode).values()) == {"matmul_step", "portable"}
-    assert "chunked" in tract_check.read_decisions(files.main).values()
+    assert "split" in tract_check.read_decisions(files.main).values()
     # Attention runs on the key/value heads (gdn_fx.hf.attention): no cache is repeated
     # (repeat_kv's unsqueeze + tile of the new cache).
     for graph in (files.main, files.decode):
@@ -168,6 +184,24 @@ def test_cli_export_then_generate_with_check(tmp_path, capsys):
     assert "tokens: " in out and "tokens/s" in out and out.rstrip().endswith("OK")
 
 
+def test_cli_export_writes_one_graph_and_the_pair_on_request(tmp_path, capsys):
+    one, pair = tmp_path / "one" / "q.nnef.tgz", tmp_path / "pair" / "q.nnef.tgz"
+    assert main(["export", "--family", "qwen3_5", "--out", str(one), "--no-check"]) == 0
+    out = capsys.readouterr().out
+    assert f"decode graph: none ({NOT_ASKED}); the main graph serves decode" in out
+    assert "gated_delta_scan -> split" in out and "decode.nnef" not in out
+    assert sorted(p.name for p in one.parent.iterdir()) == ["q.nnef.tgz"]
+    assert main(["export", "--family", "qwen3_5", "--out", str(pair), "--no-check",
+                 "--decode-graph"]) == 0
+    out = capsys.readouterr().out
+    assert f"nnef: {decode_path(pair)} (decode, S = 1, P >= 0)" in out
+    assert "lowering of q.decode.nnef.tgz: " in out and "-> matmul_step" in out
+    assert sorted(p.name for p in pair.parent.iterdir()) == ["q.decode.nnef.tgz", "q.nnef.tgz"]
+    assert main(["export", "--family", "qwen3_5", "--out", str(pair), "--seq-len", "2",
+                 "--decode-graph"]) == 2
+    assert "--decode-graph belongs to the generation-ready artifact" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--prompt-ids", "1,x"], "--prompt-ids must be integers"),
     (["--prompt-ids", ""], "--prompt-ids is empty"),
@@ -191,7 +225,7 @@ def test_cli_exports_a_checkpoint_folder(tmp_path, capsys):
 
 def test_a_half_precision_model_generates(tmp_path):
     model = tiny_model("qwen3_5", dtype=torch.float16)
-    files = export_generator(model, tmp_path / "q16.nnef.tgz")
+    files = export_generator(model, tmp_path / "q16.nnef.tgz", decode=True)
     assert "datum_type = 'f16'" in tract_check.nnef_text(files.main)
     assert files.decode is not None, files.decode_note
     result = Generator(files.main, files.decode).generate(_prompt(), 32)
@@ -200,7 +234,7 @@ def test_a_half_precision_model_generates(tmp_path):
     # the f16 decode check (against the f32 twin, bounds scaled by the main graph's own f16
     # error) still drops a decode graph that computes something else: another seed's weights
     other = export_generator(tiny_model("qwen3_5", dtype=torch.float16, seed=1),
-                             tmp_path / "other.nnef.tgz")
+                             tmp_path / "other.nnef.tgz", decode=True)
     step = DecodeStep(model, last_logits=True, whole_windows=True)
     assert decode_problem(files.decode, files.main, step) == ""
     assert "differs" in decode_problem(other.decode, files.main, step)

@@ -42,7 +42,8 @@ _STAMPS = re.compile(r',\s*\("gdn_fx_(fingerprint|vocab|decode)", "[^"]*"\)')
 def export(tmp_path_factory):
     """(model, GeneratorFiles) of one tiny export, main and decode graph, built once."""
     model = tiny_model(FAMILY)
-    files = export_generator(model, tmp_path_factory.mktemp("gen") / "m.nnef.tgz")
+    files = export_generator(model, tmp_path_factory.mktemp("gen") / "m.nnef.tgz",
+                             decode=True)
     assert files.decode is not None, files.decode_note
     return model, files
 
@@ -316,9 +317,10 @@ def test_the_installed_command_does_not_abort_on_ids_outside_the_vocabulary(expo
 def others(tmp_path_factory):
     """Exports of the same config with other weights, and of other shapes (4 KV heads)."""
     folder = tmp_path_factory.mktemp("others")
-    return (export_generator(tiny_model(FAMILY, seed=1), folder / "seed1.nnef.tgz"),
+    return (export_generator(tiny_model(FAMILY, seed=1), folder / "seed1.nnef.tgz",
+                             decode=True),
             export_generator(tiny_model(FAMILY, num_key_value_heads=4),
-                             folder / "kv4.nnef.tgz"))
+                             folder / "kv4.nnef.tgz", decode=True))
 
 
 @pytest.mark.slow

@@ -84,7 +84,7 @@ def test_demoted_native_gives_its_reason_and_cpu_order_breaks_ties():
 def test_native_of_width_64_is_refused_not_demoted_under_cuda():
     reason = dict(decide(facts(s=None, dk=64), cuda(True)).rejected)["native"]
     assert "fails for width 64" in reason and not reason.startswith("demoted")
-    assert decide(facts(s=None, dk=64), Target.parse("0.23.9", True)).candidate == "chunked"
+    assert decide(facts(s=None, dk=64), Target.parse("0.23.9", True)).candidate == "split"
 
 
 def test_forced_scan_candidate_under_cuda_is_taken_with_its_note():

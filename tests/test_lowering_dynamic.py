@@ -19,7 +19,7 @@ from lowering_programs import (SCAN_NAMES, ConvModule, ScanModule, conv_inputs,
 
 LENGTHS = (1, 2, 7, 33, 100)
 SEQ_AXIS = {name: {1: "S"} for name in SCAN_NAMES[:5]}
-NATIVE_OR_SCAN = {"forbid": ["matmul_step", "chunked_unrolled", "chunked", "matmul"]}
+NATIVE_OR_SCAN = {"forbid": ["matmul_step", "chunked_unrolled", "split", "chunked", "matmul"]}
 
 
 def _check_lengths(written, module, make_inputs) -> list[str]:
@@ -58,14 +58,15 @@ def test_conv_symbolic_sequence(candidate, tmp_path):
 def test_program_exported_with_a_symbolic_dim(tmp_path):
     """torch.export with Dim("S"): the node's S is symbolic, so the one-step operator of
     0.23.5 is ruled out while 0.23.9's serves (the matmul-form candidates forbidden); the
-    export runs at every length. By default a symbolic S takes the loop over chunks."""
+    export runs at every length. By default a symbolic S takes the chunks then the steps
+    ("split")."""
     from gdn_fx.lowering import plan_lowering
 
     seq = torch.export.Dim("S", min=1, max=4096)
     module = ScanModule(16 ** -0.5)
     program = torch.export.export(module, scan_inputs(s=4, groups=2),
                                   dynamic_shapes=({1: seq},) * 5 + (None,))
-    assert [d.candidate for d in plan_lowering(program)] == ["chunked"]
+    assert [d.candidate for d in plan_lowering(program)] == ["split"]
     old = plan_lowering(program, tract_version="0.23.5", choose=NATIVE_OR_SCAN)[0]
     assert old.candidate == "scan" and "symbolic S" in dict(old.rejected)["native"]
     written = export_nnef(program, tmp_path / "dim.nnef", dynamic_axes=SEQ_AXIS,

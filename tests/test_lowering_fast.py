@@ -215,12 +215,12 @@ ORDER = [
     # (facts, dynamic axes, expected candidate): the default order of the table
     (facts(s=1), False, "matmul_step"),
     (facts(s=1, kda=True), False, "matmul_step"),
-    (facts(s=1), True, "chunked"),  # traced at S=1 but S is symbolic
+    (facts(s=1), True, "split"),  # traced at S=1 but S is symbolic: chunks, then steps
     (facts(s=2), False, "chunked_unrolled"),
     (facts(s=512, groups=2), False, "chunked_unrolled"),
     (facts(s=1024), False, "chunked_unrolled"),
     (facts(s=1025), False, "chunked"),  # 17 chunks: past the unrolled limit
-    (facts(s=None), False, "chunked"),
+    (facts(s=None), False, "split"),
     (facts(s=512, kda=True), False, "matmul"),
     (facts(s=512, l2=False), False, "matmul"),
     (facts(s=7, kda=True), True, "matmul"),

@@ -21,7 +21,7 @@ from lowering_programs import (NATIVE_GDN, ScanModule, export_checked, scan_inpu
                                    tolerance_for)
 
 F16, F32 = torch.float16, torch.float32
-FAST = ["matmul_step", "chunked_unrolled", "chunked", "matmul"]
+FAST = ["matmul_step", "chunked_unrolled", "split", "chunked", "matmul"]
 NATIVE_OR_SCAN = {"forbid": FAST}
 
 # name: (scan_inputs kwargs, scale or None for 1/sqrt(dk), qk_l2norm, forced candidate (None:

@@ -52,10 +52,10 @@ def target(version, dynamic=False):
 F16_STATE = dict(DECODE_F16, initial_state="f16")
 
 # The table order, written out here (not read from the code under test).
-GDN_ORDER = ("matmul_step", "chunked_unrolled", "chunked", "matmul", "native", "scan",
+GDN_ORDER = ("matmul_step", "chunked_unrolled", "split", "chunked", "matmul", "native", "scan",
              "chunked_parallel")  # the last: measured for the CUDA runtime only
 CONV_ORDER = ("depthwise", "portable", "native")
-FAST = ["matmul_step", "chunked_unrolled", "chunked", "matmul"]
+FAST = ["matmul_step", "chunked_unrolled", "split", "chunked", "matmul"]
 ONLY_NATIVE_OR_SCAN = Choice.parse({"forbid": FAST})
 ONLY_NATIVE_CONV = Choice.parse({"forbid": ["depthwise", "portable"]})
 
@@ -63,19 +63,20 @@ SCAN_TABLE = [
     # (tract version, dynamic axes, facts, default candidate, candidate among native/scan)
     # Default, from the candidates' documented rules: matmul_step takes static S = 1;
     # chunked_unrolled static S of at most 16 chunks of 64 (GDN gate, q/k l2norm in the node);
-    # chunked any S on the same conditions; matmul the rest. All take f16/f32/f64 only.
+    # split a symbolic S on the same conditions (chunks, then steps: issue 31), chunked any
+    # longer static S; matmul the rest. All take f16/f32/f64 only.
     # native/scan, from docs/FACTS.md's record of what tract accepted, release by release.
     ("0.23.4", False, scan(), "matmul_step", "scan"),  # no native operator yet
     ("0.23.5", False, scan(), "matmul_step", "native"),  # first form: one f16 step, width 128
     ("0.23.5", False, scan(s=4), "chunked_unrolled", "scan"),
-    ("0.23.5", True, scan(), "chunked", "scan"),  # S may be symbolic: one-step ops are unsafe
+    ("0.23.5", True, scan(), "split", "scan"),  # S may be symbolic: one-step ops are unsafe
     ("0.23.5", False, scan(dk=64), "matmul_step", "scan"),
     ("0.23.5", False, scan(groups=2), "matmul_step", "scan"),  # no GQA in the first form
     ("0.23.5", False, scan(dtypes=ALL_F32), "matmul_step", "scan"),
     ("0.23.5", False, scan(b=3), "matmul_step", "native"),  # batch was always fine
     ("0.23.8", False, scan(), "matmul_step", "native"),
     ("0.23.8", False, scan(dtypes=ALL_F32), "matmul_step", "scan"),  # first form below 0.23.9
-    ("0.23.9", True, scan(b=2, s=7, groups=4, dk=64, dtypes=ALL_F32), "chunked", "native"),
+    ("0.23.9", True, scan(b=2, s=7, groups=4, dk=64, dtypes=ALL_F32), "split", "native"),
     ("0.23.9", False, scan(s=33, dk=8), "chunked_unrolled", "native"),
     ("0.23.9", False, scan(dtypes=F16_STATE), "matmul_step", "native"),
     ("0.23.9", False, scan(dtypes=dict(ALL_F32, g="f16")), "matmul_step", "native"),
@@ -92,8 +93,9 @@ SCAN_TABLE = [
     ("0.23.9", False, scan(s=8, groups=2, scale=0.3), "chunked_unrolled", "scan"),  # any scale
     ("0.23.9", False, scan(s=1024), "chunked_unrolled", "native"),  # 16 chunks of 64
     ("0.23.9", False, scan(s=1025), "chunked", "native"),  # 17 chunks: the loop
-    ("0.23.9", True, scan(s=None), "chunked", "native"),  # symbolic S
-    ("0.23.9", True, scan(s=1), "chunked", "native"),  # traced S = 1, but axes are symbolic
+    ("0.23.9", True, scan(s=None), "split", "native"),  # symbolic S
+    ("0.23.9", False, scan(s=None), "split", "native"),  # symbolic S, no dynamic axis declared
+    ("0.23.9", True, scan(s=1), "split", "native"),  # traced S = 1, but axes are symbolic
     ("0.23.9", False, scan(s=8, kda=True), "matmul", "scan"),
     ("0.23.9", True, scan(s=None, kda=True, groups=2), "matmul", "scan"),
     ("0.23.9", False, scan(s=8, l2=False), "matmul", "scan"),
@@ -190,8 +192,10 @@ def test_every_rejection_is_logged(caplog):
                           Choice.parse({"forbid": ["matmul"]}))
     assert decision.candidate == "scan"
     rejected = dict(decision.rejected)
-    assert list(rejected) == ["matmul_step", "chunked_unrolled", "chunked", "matmul", "native"]
+    assert list(rejected) == ["matmul_step", "chunked_unrolled", "split", "chunked", "matmul",
+                              "native"]
     assert "S=8" in rejected["matmul_step"] and "KDA" in rejected["chunked"]
+    assert "KDA" in rejected["split"]
     assert rejected["matmul"] == "forbidden by choose" and "scale" in rejected["native"]
     messages = [r.getMessage() for r in caplog.records]
     for name, reason in decision.rejected:

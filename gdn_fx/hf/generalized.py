@@ -22,7 +22,8 @@ from torch import nn
 
 from gdn_fx.generalize import DEFAULT_POINTS, Generalized, generalize
 from gdn_fx.hf.decode import DecodeStep
-from gdn_fx.hf.generator import GeneratorFiles, decode_path, decode_problem, place_graphs
+from gdn_fx.hf.generator import (NOT_ASKED, GeneratorFiles, decode_path, decode_problem,
+                                 place_graphs)
 from gdn_fx.hf.nnef import prepare_for_nnef, staging
 
 
@@ -38,7 +39,7 @@ def generalize_step(step: DecodeStep, points: Sequence = DEFAULT_POINTS) -> Gene
     return generalize(trace, points)
 
 
-def export_generalized(model: nn.Module, path: Union[str, Path], *, decode: bool = True,
+def export_generalized(model: nn.Module, path: Union[str, Path], *, decode: bool = False,
                        points: Sequence = DEFAULT_POINTS, tract_version: str = "0.23.9",
                        choose: Optional[Mapping] = None, weights: str = "f32",
                        say: Callable[[str], None] = lambda line: None) -> GeneratorFiles:
@@ -55,7 +56,7 @@ def export_generalized(model: nn.Module, path: Union[str, Path], *, decode: bool
     with staging(path) as folder:  # nothing at path until both graphs are written and checked
         say(f"write {path}")
         written = [gen.export_nnef(folder / "graph0.nnef", **names)]
-        note = "not asked for"
+        note = NOT_ASKED
         if decode:
             written.append(_write_decode(gen, step, folder / "graph1.nnef", finals[1], names,
                                          say))

@@ -1,7 +1,7 @@
 """Generation-ready NNEF: one artifact for prefill and decode at any length and any past.
 
     files = export_generator(tiny_model("qwen3_5"), "out/q.nnef.tgz")
-    gen = Generator(files.main, files.decode)            # tract, one State per graph, kept
+    gen = Generator(files.main, files.decode)            # decode None: one graph, one State
     result = gen.generate(prompt_ids, max_new_tokens=64)  # greedy
     check = check_generation(model, result)               # against transformers' generate
 
@@ -17,11 +17,19 @@ rule and conv calls are the fused ops and nothing unrolls, so torch.export keeps
 symbolic; transformers' ``S == 1`` tests are decided for the multi-token branch, which carries
 the given states (the state-carrying path at every S, also at S = 1).
 
-Why a pair of graphs: under a symbolic S the lowering table must pick a candidate that serves
-every S. On a Qwen3.5-sized layer (bench/bench_tract.py) none is within 1.25x of the best at
-both S = 1 and S = 512: ``chunked`` is 5.8x the best at S = 1, ``matmul`` 3.8x at S = 512. So
-``X.decode.nnef.tgz`` beside ``X.nnef.tgz`` is the same model at S = 1 (P symbolic), lowered
-with the decode candidates; same inputs, same outputs.
+Why one graph (issue 31): tract reads every weight into memory of its own, so a second graph
+holds a second copy of the weights, in the file and after loading. Under a symbolic S the
+lowering table gives the delta-rule scans ``split`` (lowering/gdn_split.py): the loop over
+chunks for the whole chunks, then a loop of matmul steps for the tokens left, so S = 1 costs
+one step (no chunk) and S = 512 eight chunk iterations (no step); the conv updates get
+``portable`` (K multiply-adds, the decode choice too). The main graph serves decode.
+
+``decode=True`` still writes the pair of earlier releases: ``X.decode.nnef.tgz`` beside
+``X.nnef.tgz``, the same program at S = 1 (P symbolic) lowered with the decode candidates
+(``matmul_step``, ``portable``), same inputs and outputs, kept when it computes what the main
+graph would (:func:`decode_problem`). Before ``split`` it was needed for speed: no candidate
+serving every S was within 1.25x of the best at both S = 1 and S = 512 (``chunked`` 5.8x the
+best at S = 1, ``matmul`` 3.8x at S = 512, on a Qwen3.5-sized layer).
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ F16_BOUND = 4e-3
 # Logits of a whole generation against transformers: f16 models accumulate f16 rounding over
 # the steps (tract and torch round differently), so their bound is wider.
 LOGITS_BOUND = {torch.float32: 1e-4, torch.float16: 1e-2}
+# GeneratorFiles.decode_note of a one-graph export (the default).
+NOT_ASKED = "not asked for: one graph serves every S"
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
@@ -67,7 +77,8 @@ def model_dtype(model: nn.Module) -> torch.dtype:
 
 @dataclass(frozen=True)
 class GeneratorFiles:
-    """What :func:`export_generator` wrote: the graph for every S, and the S = 1 graph."""
+    """What :func:`export_generator` wrote: the graph for every S, and the S = 1 graph
+    (None unless asked for with ``decode=True`` and kept)."""
 
     main: Path
     decode: Optional[Path]
@@ -126,15 +137,16 @@ def decode_program(program: torch.export.ExportedProgram,
     return torch.export.export(module, args, strict=False, dynamic_shapes=shapes)
 
 
-def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool = True,
+def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool = False,
                      all_logits: bool = False, tract_version: str = "0.23.9",
                      choose: Optional[Mapping] = None,
                      say: Callable[[str], None] = lambda line: None,
                      weights: str = "f32") -> GeneratorFiles:
     """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF.
 
-    ``path`` serves every S (prefill, and decode too); with ``decode`` (the default) the S = 1
-    graph is written beside it as ``decode_path(path)`` (see the module doc for why). The
+    ``path`` serves every S (prefill, and decode too: one copy of the weights); with
+    ``decode=True`` an S = 1 graph is also written beside it as ``decode_path(path)``, the
+    pair of earlier releases (see the module doc). The
     model is prepared for NNEF in place (``prepare_for_nnef``). ``weights`` ("f32", "f16",
     "q4_0") is how both graphs store the weights, as in ``gdn_fx.export_nnef``; with
     compressed weights the decode graph is kept when it computes what the main graph computes
@@ -165,7 +177,7 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
         written = [_write_graph(exported, folder / f"graph{i}.nnef", finals[i], axes, options,
                                 say) for i, (exported, axes) in enumerate(jobs)]
         note = decode_problem(written[1], written[0], step, weights) if decode \
-            else "not asked for"
+            else NOT_ASKED
         if note and decode:
             say(f"decode graph dropped: {note}; the main graph serves decode")
         kept = finals[:1] if note else finals
@@ -696,7 +708,8 @@ def auto_prefill_chunk(graph_text: str, l2_bytes: Optional[int] = None) -> int:
     """The longest prompt chunk whose f32 activations, in the widest projection of the
     artifact whose graph.nnef is ``graph_text`` (``tract_check.nnef_text``),
     fit the L2 cache (this machine's, from sysfs): a multiple of the chunked delta-rule scan's
-    step (64 tokens: a call's S is padded to it), or of 16 below one step; 16 to 512. f16
+    step (64 tokens: the tokens of a call past a multiple of it run as single steps, "split"),
+    or of 16 below one step; 16 to 512. f16
     models get the same chunk (conservative: their activations take half the bytes)."""
     from gdn_fx.lowering.gdn_chunked import SCAN_CHUNK, SCAN_CHUNKS_PER_STEP
 

@@ -1,0 +1,146 @@
+"""Candidate "split" of gated_delta_scan (lowering/gdn_split.py): the loop over chunks for the
+whole chunks, then a loop of matmul steps for the rest, in ONE graph of symbolic S (issue 31).
+
+The oracle is gdn_fx.reference.recurrent_delta_rule_reference in float64 (test_lowering_fast's
+``oracle``). Lengths around the chunk loop's step W = 64 tokens: S < W runs zero chunk
+iterations, S = W zero steps; tract 0.23.9 returns a scalar for the state of a scan of zero
+iterations, so both must be guarded (the control test shows the guard is needed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn_fx import tract_check
+from gdn_fx.errors import LoweringUnsupported
+from gdn_fx.export import export_nnef
+from gdn_fx.lowering import Target, decide, plan_lowering
+from gdn_fx.lowering.choice import Choice
+from gdn_fx.lowering.gdn_split import WHOLE
+from lowering_programs import SCAN_NAMES, scan_inputs
+from test_lowering_fast import SEQ_AXES, SMALL, Fused, check_run, facts, oracle
+
+C = WHOLE
+LENGTHS = (1, 2, C - 1, C, C + 1, 2 * C + 3)
+F16 = torch.float16
+
+
+def _split(module, args, path, axes=SEQ_AXES):
+    written = export_nnef(torch.export.export(module, args), path, choose={"*": "split"},
+                          dynamic_axes=axes)
+    assert tract_check.read_decisions(written) == {"gated_delta_scan": "split"}
+    return written
+
+
+def test_chunks_are_64_tokens():
+    assert C == 64  # the lengths below straddle it
+
+
+def test_split_equals_the_reference_at_every_length(tmp_path):
+    """One graph (symbolic S, traced at 4), GDN gate, f32: right at S = 1, 2, C-1, C, C+1,
+    2C+3 (zero chunk iterations, zero steps, both parts)."""
+    module = Fused(16 ** -0.5)
+    written = _split(module, scan_inputs(s=4, **SMALL), tmp_path / "split.nnef")
+    text = tract_check.nnef_text(written)
+    assert "tract_symbol S" in text and text.count("reset_every_turn = 1") == 2
+    runnable = tract_check.load(written)
+    for s in LENGTHS:
+        print(s, check_run(runnable, module, scan_inputs(s=s, seed=s, **SMALL), 1e-4))
+
+
+def test_zero_iterations_need_the_guard(tmp_path):
+    """Control: without the select on the chunk loop's state, S < C (zero chunk iterations)
+    fails in tract 0.23.9, whose scan of zero iterations gives a scalar for its state."""
+    module = Fused(0.25)
+    written = _split(module, scan_inputs(s=4, **SMALL), tmp_path / "bare.nnef")
+    graph = written / "graph.nnef"
+    text = graph.read_text()
+    assert "fing = select(ran, fin, st0);" in text
+    graph.write_text(text.replace("fing = select(ran, fin, st0);", "fing = copy(fin);"))
+    args = scan_inputs(s=3, seed=3, **SMALL)
+    runnable = tract_check.load(written)
+    with pytest.raises(Exception):  # noqa: B017 (tract's error: a shape that does not fit)
+        tract_check.run(runnable, args)
+    print(check_run(runnable, module, scan_inputs(s=C, seed=5, **SMALL), 1e-4))  # 1+ chunks
+
+
+FEATURES = {  # name: (scan_inputs kwargs, scale, tolerance)
+    "gqa_dk_ne_dv": (dict(groups=2, dk=8, dv=24), 0.4, 1e-4),
+    "f16_f32state": (dict(dtype=F16), 0.25, 1e-4),
+    "f16_f16state": (dict(dtype=F16, state_dtype=F16), 0.25, 1e-3),
+    "f16_gate": (dict(dtype=F16, gate_dtype=F16), 0.25, 1e-4),
+}
+
+
+@pytest.mark.parametrize("case", FEATURES)
+def test_features(case, tmp_path):
+    """What "chunked" accepts, split serves: GQA, Dk != Dv, f16 operands, f16 state (f64
+    is refused: below)."""
+    kwargs, scale, tolerance = FEATURES[case]
+    module = Fused(scale)
+    shape = {**SMALL, **kwargs}
+    written = _split(module, scan_inputs(s=4, seed=3, **shape), tmp_path / f"{case}.nnef")
+    runnable = tract_check.load(written)
+    for s in (1, C + 3):
+        print(case, s, check_run(runnable, module, scan_inputs(s=s, seed=s, **shape),
+                                 tolerance))
+
+
+def test_symbolic_batch_and_sequence(tmp_path):
+    module = Fused(0.25)
+    shape = dict(hk=2, dk=16, dv=16, groups=2)
+    axes = {name: {0: "B", 1: "S"} for name in SCAN_NAMES[:5]}
+    axes["s0"] = {0: "B"}
+    written = _split(module, scan_inputs(s=4, b=2, **shape), tmp_path / "bs.nnef", axes)
+    runnable = tract_check.load(written)
+    for b, s in ((1, 1), (3, 70)):
+        check_run(runnable, module, scan_inputs(s=s, b=b, seed=s, **shape), 1e-4)
+
+
+def test_one_state_two_initial_states(tmp_path):
+    """Both loops reset their carry: one tract State run twice, at S = 1 then C + 5."""
+    module = Fused(0.25)
+    written = _split(module, scan_inputs(s=4, **SMALL), tmp_path / "s.nnef")
+    state = tract_check.load(written).spawn_state()
+    for s, seed in ((C + 5, 1), (C + 5, 2), (1, 3), (1, 4)):
+        args = scan_inputs(s=s, seed=seed, **SMALL)
+        for g, w in zip(tract_check.run(state, args), oracle(module, args)):
+            assert tract_check.relative_error(g, w) <= 1e-4, (s, seed)
+
+
+def test_static_length_when_forced(tmp_path):
+    module = Fused(0.25)
+    args = scan_inputs(s=C + 7, seed=7, **SMALL)
+    print(check_run(_split(module, args, tmp_path / "st.nnef", axes=None), module, args, 1e-4))
+
+
+def test_a_symbolic_sequence_takes_split_by_default():
+    seq = torch.export.Dim("S", min=1, max=4096)
+    program = torch.export.export(Fused(0.25), scan_inputs(s=4, groups=2),
+                                  dynamic_shapes=({1: seq},) * 5 + (None,))
+    assert [d.candidate for d in plan_lowering(program)] == ["split"]
+    static = torch.export.export(Fused(0.25), scan_inputs(s=4))
+    assert [d.candidate for d in plan_lowering(static)] == ["chunked_unrolled"]
+
+
+@pytest.mark.parametrize("node, words", [
+    (facts(s=None, kda=True), "KDA"),
+    (facts(s=None, l2=False), "qk_l2norm=False"),
+    (facts(s=None, dtype="bf16"), "bf16"),
+    (facts(s=None, dtype="f64"), "f32 scalar"),
+])
+def test_split_refuses_what_chunked_refuses(node, words):
+    with pytest.raises(LoweringUnsupported, match=words):
+        decide(node, Target.parse("0.23.9", True), Choice.parse({"*": "split"}))
+    if words != "bf16":  # bf16 has no candidate at all
+        assert decide(node, Target.parse("0.23.9", True)).candidate in ("chunked", "matmul")
+
+
+def test_split_suits_symbolic_s_on_the_cpu_only():
+    decision = decide(facts(s=None), Target.parse("0.23.9", True))
+    assert decision.candidate == "split"
+    static = decide(facts(s=1025), Target.parse("0.23.9"))
+    assert static.candidate == "chunked" and "static S=1025" in dict(static.rejected)["split"]
+    cuda = decide(facts(s=None), Target.parse("0.23.9", True, runtime="cuda"))
+    assert cuda.candidate != "split" and "not measured" in dict(cuda.rejected)["split"]
