@@ -18,6 +18,14 @@ routed by, the tensor both the router and the experts read), and proven by runni
 program's own nodes and :func:`moe_ffn_reference` on random tokens must agree; a block that
 does not, e.g. another activation or a router bias, is left to the plain-op spelling of
 ``moe.py``).
+
+Both of transformers' experts kernels are read: ``grouped_mm`` (the pair of
+``grouped_mm_fallback`` nodes above) and ``batched_mm``, which ``prepare_for_nnef`` and so
+every generation export selects (a pair of ``bmm`` nodes, each of the rows with
+``weight[expert_ids]``: one expert matrix per (token, expert) row, sharing the ids). Tokens
+may be of a symbolic count (a generation graph's S): sizes the block computes (``sym_size``
+nodes, e.g. S read off ``input_ids`` for the final reshape) are then derived from the tokens'
+shape, and the proof draws tokens at each of TOKEN_COUNTS.
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ DEFAULT = FUSED  # faster at every size measured (bench/bench_moe.py, README "Be
 
 # Validation: random tokens, compared at these relative bounds (as the passes' validation).
 TRIALS = 3
+# Where the token count is symbolic (a generation graph's S): one draw at each of these counts
+# (1: decode; 7: more (token, expert) rows than a tiny model has experts; small, because the
+# batched_mm spelling evaluated here copies one expert matrix per (token, expert) row).
+TOKEN_COUNTS = (1, 2, 7)
 BOUNDS = {torch.float32: 1e-4, torch.float16: 5e-3}
 
 
@@ -143,20 +155,42 @@ def _val(node: fx.Node):
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _static_shape(value) -> Optional[tuple]:
-    shape = tuple(value.shape)
-    return shape if all(isinstance(d, int) for d in shape) else None
+class Product:
+    """One expert product: ``node`` multiplies ``rows`` by the expert weights ``weight``
+    ``[E, ., .]`` as routed by ``key`` (a grouped_mm's offsets, a batched_mm's expert ids)."""
+
+    def __init__(self, node: fx.Node, key: fx.Node, weight: fx.Node, rows: fx.Node):
+        self.node, self.key, self.weight, self.rows = node, key, weight, rows
+
+
+def _product(node: fx.Node, grouped) -> Optional[Product]:
+    """The expert product ``node`` is, in either of transformers' kernels: ``grouped_mm``
+    (``grouped_mm_fallback(rows, weight, offsets)``) or ``batched_mm`` (``bmm`` of the rows
+    with ``weight[expert_ids]``, one expert matrix per (token, expert) row)."""
+    if grouped is not None and node.target is grouped:
+        return Product(node, node.args[2], node.args[1], node.args[0])
+    if node.target is not torch.ops.aten.bmm.default:
+        return None
+    for side, operand in enumerate(node.args[:2]):
+        if isinstance(operand, fx.Node) and operand.target is torch.ops.aten.index.Tensor \
+                and len(operand.args[1]) == 1 and isinstance(operand.args[1][0], fx.Node):
+            return Product(node, operand.args[1][0], operand.args[0], node.args[1 - side])
+    return None
 
 
 class Block:
     """One routed MoE block found by structure: what a fusion candidate is tried from."""
 
-    def __init__(self, up: fx.Node, down: fx.Node, topk: fx.Node, x: fx.Node):
+    def __init__(self, up: Product, down: Product, topk: fx.Node, x: fx.Node):
         self.up, self.down, self.topk, self.x = up, down, topk, x
 
     @property
     def k(self) -> int:
         return int(self.topk.args[1])
+
+    @property
+    def name(self) -> str:
+        return self.up.node.name
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
@@ -169,59 +203,115 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _pairs(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
-    """(up, down): the two grouped_mm nodes that share one offsets tensor, down reading up."""
-    op = grouped_mm_op()
-    by_offsets: dict = {}
+def _pairs(graph: fx.Graph) -> list[tuple[Product, Product]]:
+    """(up, down): the two expert products routed by one key, down reading up."""
+    grouped = grouped_mm_op()
+    by_key: dict = {}
     for node in graph.nodes:
-        if op is not None and node.target is op:
-            by_offsets.setdefault(node.args[2], []).append(node)
-    return [(up, down) for up, down in (v for v in by_offsets.values() if len(v) == 2)
-            if down in _descendants(up)]
+        product = _product(node, grouped)
+        if product is not None:
+            by_key.setdefault(product.key, []).append(product)
+    return [(up, down) for up, down in (v for v in by_key.values() if len(v) == 2)
+            if down.node in _descendants(up.node)]
 
 
-def _router_topk(offsets: fx.Node) -> Optional[fx.Node]:
-    """The latest ``topk`` the offsets derive from (earlier ones route earlier layers)."""
-    order = {n: i for i, n in enumerate(offsets.graph.nodes)}
-    found = [n for n in _ancestors(offsets) if n.target is torch.ops.aten.topk.default]
+def _router_topk(key: fx.Node) -> Optional[fx.Node]:
+    """The latest ``topk`` the routing key derives from (earlier ones route earlier layers)."""
+    order = {n: i for i, n in enumerate(key.graph.nodes)}
+    found = [n for n in _ancestors(key) | {key} if n.target is torch.ops.aten.topk.default]
     return max(found, key=order.__getitem__) if found else None
 
 
-def _token_candidates(up: fx.Node, topk: fx.Node) -> list[fx.Node]:
+def _tokens_shaped(value, widths: tuple) -> bool:
+    """A 2-D float value ``[T, D]``, D static and one of ``widths``; T static or a symbol."""
+    if value is None or value.dim() != 2 or not value.is_floating_point():
+        return False
+    rows, width = value.shape
+    return isinstance(width, int) and width in widths and _symbol_or_int(rows)
+
+
+def _symbol_or_int(size) -> bool:
+    return isinstance(size, int) or size.node.expr.is_Symbol
+
+
+def _token_candidates(up: Product, topk: fx.Node) -> list[fx.Node]:
     """2-D float nodes of the experts' input width that both the router and the experts
     read, latest first: the block's tokens are the latest that everything else derives from
     (a reshape the router alone reads is not)."""
-    width = _val(up.args[1]).shape[-2] if _val(up.args[1]) is not None else None
-    common = _ancestors(topk) & _ancestors(up.args[0]) | ({up.args[0]} & _ancestors(topk))
-    order = {n: i for i, n in enumerate(up.graph.nodes)}
-    shaped = [n for n in common if _val(n) is not None and _val(n).dim() == 2
-              and _val(n).is_floating_point() and _val(n).shape[-1] == width
-              and _static_shape(_val(n)) is not None]
+    weight = _val(up.weight)
+    widths = tuple(weight.shape[1:]) if weight is not None and weight.dim() == 3 else ()
+    common = _ancestors(topk) & _ancestors(up.rows) | ({up.rows} & _ancestors(topk))
+    order = {n: i for i, n in enumerate(topk.graph.nodes)}
+    shaped = [n for n in common if _tokens_shaped(_val(n), widths)]
     return sorted(shaped, key=order.__getitem__, reverse=True)
 
 
-def find_blocks(graph: fx.Graph) -> list[Block]:
-    """Every routed block whose parts are where the structure says (not yet proven)."""
+def _read_block(up: Product, down: Product) -> tuple[Optional[Block], str]:
+    """(the block of one pair of expert products, "") or (None, why it cannot be read)."""
+    topk = _router_topk(up.key)
+    if topk is None:
+        return None, "no topk routes it"
+    cache: dict = {}
+    candidates = [n for n in _token_candidates(up, topk) if not _constant_only(n, cache)]
+    for x in candidates:
+        block = Block(up, down, topk, x)
+        if _outputs_after(block):
+            return block, ""
+    if not candidates:
+        return None, "no tokens [T, D] (T static or one symbol) that router and experts read"
+    return None, ("nothing after the experts is shaped like the tokens and computed from "
+                  "them alone")
+
+
+def find_blocks(graph: fx.Graph, misses: Optional[list] = None) -> list[Block]:
+    """Every routed block whose parts are where the structure says (not yet proven); each
+    pair of expert products that is not read as one goes to ``misses`` as (name, why)."""
     blocks = []
     for up, down in _pairs(graph):
-        topk = _router_topk(up.args[2])
-        for x in _token_candidates(up, topk) if topk is not None else []:
-            block = Block(up, down, topk, x)
-            if _outputs_after(block):
-                blocks.append(block)
-                break
+        block, why = _read_block(up, down)
+        if block is not None:
+            blocks.append(block)
+        elif misses is not None:
+            misses.append((up.node.name, why))
     return blocks
 
 
 # --- proving a block by running it ------------------------------------------------------------
 
-def _subgraph(module: fx.GraphModule, outputs: list, x: Optional[fx.Node]) -> fx.GraphModule:
-    """A module computing ``outputs`` from ``x`` (a placeholder) and the module's attributes."""
-    stop = frozenset({x}) if x is not None else frozenset()
+def _size_leaf(node: fx.Node) -> bool:
+    """A node that computes a size (``sym_size`` and arithmetic on sizes): the region takes
+    it as an input computed from the tokens' shape (:func:`_size_value`), not from the
+    program input it was read off (a generation graph reads S off ``input_ids``)."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op != "get_attr"
+
+
+def _region_nodes(out: fx.Node, x: fx.Node) -> tuple[set, list]:
+    """(the nodes ``out`` is computed by from ``x``, the size leaves they read, in order)."""
+    seen, todo, leaves = set(), [out], []
+    while todo:
+        for parent in _inputs(todo.pop()):
+            if parent in seen or parent is x:
+                continue
+            seen.add(parent)
+            if _size_leaf(parent):
+                leaves.append(parent)
+            else:
+                todo.append(parent)
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    return (seen - set(leaves)) | {out}, sorted(leaves, key=order.__getitem__)
+
+
+def _subgraph(module: fx.GraphModule, outputs: list, x: Optional[fx.Node],
+              leaves: list = ()) -> fx.GraphModule:
+    """A module computing ``outputs`` from ``x`` and ``leaves`` (placeholders, in that order)
+    and the module's attributes."""
+    stop = frozenset({x, *leaves}) if x is not None else frozenset()
     needed = set(outputs).union(*(_ancestors(o, stop) for o in outputs)) - stop
     graph, env = fx.Graph(), {}
     if x is not None:
         env[x] = graph.placeholder("x")
+    for index, leaf in enumerate(leaves):
+        env[leaf] = graph.placeholder(f"size{index}")
     for node in module.graph.nodes:
         if node in needed:
             env[node] = graph.node_copy(node, lambda n: env[n])
@@ -229,16 +319,44 @@ def _subgraph(module: fx.GraphModule, outputs: list, x: Optional[fx.Node]) -> fx
     return fx.GraphModule(module, graph)
 
 
+def _token_symbols(x: fx.Node) -> dict:
+    """{symbol: axis} of the tokens' symbolic sizes (e.g. {s70: 0} for ``[S, D]``)."""
+    return {size.node.expr: axis for axis, size in enumerate(_val(x).shape)
+            if not isinstance(size, int)}
+
+
+def _size_value(leaf: fx.Node, shape: tuple, symbols: dict) -> Optional[int]:
+    """What ``leaf`` is when the tokens have ``shape`` (None: it depends on something else)."""
+    value = leaf.meta["val"]
+    if isinstance(value, int):
+        return value
+    expr = value.node.expr
+    if not expr.free_symbols <= set(symbols):
+        return None
+    return int(expr.xreplace({s: shape[axis] for s, axis in symbols.items()}))
+
+
 def _reads_only(out: fx.Node, x: fx.Node) -> bool:
-    """Whether ``out`` depends on no program input but through ``x`` (and on constants)."""
-    return all(n.op != "placeholder" or n is x for n in _ancestors(out, frozenset({x})))
+    """Whether ``out`` depends on no program input but through ``x`` (and on constants and
+    sizes that ``x``'s shape decides)."""
+    nodes, leaves = _region_nodes(out, x)
+    symbols = _token_symbols(x)
+    shape = tuple(1 if not isinstance(d, int) else d for d in _val(x).shape)
+    return all(n.op != "placeholder" for n in nodes) and \
+        all(_size_value(leaf, shape, symbols) is not None for leaf in leaves)
+
+
+def _same_shape(a, b) -> bool:
+    """Equal shapes, symbolic sizes compared by expression (no guard is added)."""
+    return len(a.shape) == len(b.shape) and all(str(p) == str(q) for p, q in zip(a.shape,
+                                                                                   b.shape))
 
 
 def _outputs_after(block: Block, limit: int = 8) -> list[fx.Node]:
     """Nodes downstream of the down projection shaped like the tokens: where the block may end."""
-    want, after = _val(block.x), _descendants(block.down)
-    shaped = [n for n in block.down.graph.nodes if n in after and _val(n) is not None
-              and tuple(_val(n).shape) == tuple(want.shape) and _val(n).dtype == want.dtype]
+    want, after = _val(block.x), _descendants(block.down.node)
+    shaped = [n for n in block.x.graph.nodes if n in after and _val(n) is not None
+              and _same_shape(_val(n), want) and _val(n).dtype == want.dtype]
     return [n for n in shaped[:limit] if _reads_only(n, block.x)]
 
 
@@ -269,33 +387,61 @@ def _router_candidates(module: fx.GraphModule, block: Block, experts: int) -> li
             and _val(n).is_floating_point() and _constant_only(n, cache)]
 
 
+def _expert_readings(up_w: Tensor, down_w: Tensor, width: int) -> list[tuple]:
+    """Every (w1, w2, w3) in tract's layout (w1, w3 ``[E, D, H]``, w2 ``[E, H, D]``) that the
+    stored expert weights may mean: grouped_mm reads ``[E, D, 2H]`` and ``[E, H, D]``,
+    batched_mm transformers' own ``[E, 2H, D]`` and ``[E, D, H]``; where D = 2H both
+    orientations are tried (which one the program computes is decided by running it).
+    The gate half comes first (transformers' chunk(2) of gate_up)."""
+    ups = [w for w, axis in ((up_w, 1), (up_w.transpose(1, 2), 2))
+           if up_w.shape[axis] == width and w.shape[-1] % 2 == 0]
+    downs = [w for w, axis in ((down_w, 2), (down_w.transpose(1, 2), 1))
+             if down_w.shape[axis] == width]
+    readings = []
+    for up in ups:
+        half = up.shape[-1] // 2
+        readings += [(up[..., :half], down, up[..., half:]) for down in downs
+                     if down.shape[1] == half]
+    return readings
+
+
+def _region_runs(module: fx.GraphModule, block: Block, out: fx.Node, draws: list) -> list:
+    """What the program's own nodes make of each draw of tokens, from ``x`` to ``out``."""
+    _, leaves = _region_nodes(out, block.x)
+    region = _subgraph(module, [out], block.x, leaves)
+    symbols = _token_symbols(block.x)
+    with torch.no_grad():
+        return [region(x, *(_size_value(leaf, tuple(x.shape), symbols) for leaf in leaves))[0]
+                for x in draws]
+
+
 def prove(module: fx.GraphModule, block: Block) -> tuple[Optional[Proof], str]:
     """(the operands, "") when one reading of the block computes what the program does on
-    random tokens, else (None, why not)."""
+    random tokens (at a few token counts where their count is symbolic), else (None, why
+    not)."""
     cache: dict = {}
-    if not all(_constant_only(n, cache) for n in (block.up.args[1], block.down.args[1])):
+    if not all(_constant_only(n, cache) for n in (block.up.weight, block.down.weight)):
         return None, "the expert weights are computed from a program input"
-    up_w, down_w = _constants(module, [block.up.args[1], block.down.args[1]])
-    if up_w.dim() != 3 or up_w.shape[-1] % 2 or down_w.dim() != 3:
+    up_w, down_w = _constants(module, [block.up.weight, block.down.weight])
+    if up_w.dim() != 3 or down_w.dim() != 3:
         return None, f"expert weights {tuple(up_w.shape)}, {tuple(down_w.shape)}"
-    half = up_w.shape[-1] // 2  # gate first, then up (transformers' chunk(2) of gate_up)
-    w1, w3 = up_w[..., :half].contiguous(), up_w[..., half:].contiguous()
+    readings = _expert_readings(up_w, down_w, _val(block.x).shape[-1])
     bound = BOUNDS.get(_val(block.x).dtype)
     if bound is None:
         return None, f"tokens are {_val(block.x).dtype}"
+    if not readings:
+        return None, f"expert weights {tuple(up_w.shape)}, {tuple(down_w.shape)}"
     routers = _router_candidates(module, block, up_w.shape[0])
     weights = dict(zip(routers, _constants(module, routers))) if routers else {}
     draws = _draws(block)
     for out in _outputs_after(block):
-        region = _subgraph(module, [out], block.x)
-        with torch.no_grad():
-            wants = [region(x)[0] for x in draws]
-        for wg in weights.values():
-            for gate in GATES:
-                if all(_relative(moe_ffn_reference(x, wg, w1, down_w, w3, block.k, gate),
-                                 want) <= bound for x, want in zip(draws, wants)):
-                    _warn_ties(wg, block)
-                    return Proof(out, wg, w1, down_w.contiguous(), w3, gate), ""
+        wants = _region_runs(module, block, out, draws)
+        for wg, gate, (w1, w2, w3) in ((w, g, r) for w in weights.values() for g in GATES
+                                       for r in readings):
+            if all(_relative(moe_ffn_reference(x, wg, w1, w2, w3, block.k, gate), want)
+                   <= bound for x, want in zip(draws, wants)):
+                _warn_ties(wg, block)
+                return Proof(out, wg, *(w.contiguous() for w in (w1, w2, w3)), gate), ""
     return None, (f"no reading of the block (router among {len(weights)} [E, D] constants, "
                   f"gate {' or '.join(GATES)}, SwiGLU experts) computes what its nodes do")
 
@@ -308,15 +454,21 @@ def _warn_ties(wg: Tensor, block: Block) -> None:
     distinct = torch.unique(wg, dim=0).shape[0]
     if distinct < wg.shape[0]:
         LOG.warning("MoE block at %s: the router has %d repeated rows of %d; tied experts "
-                    "may be picked differently by tract than by torch", block.up.name,
+                    "may be picked differently by tract than by torch", block.name,
                     wg.shape[0] - distinct, wg.shape[0])
 
 
 def _draws(block: Block) -> list[Tensor]:
+    """Random tokens: TRIALS draws at the traced shape, or, where the token count is
+    symbolic, one draw at each of TOKEN_COUNTS tokens."""
     generator = torch.Generator().manual_seed(0)
     value = _val(block.x)
-    return [torch.randn(tuple(value.shape), generator=generator).to(value.dtype)
-            for _ in range(TRIALS)]
+    if not _token_symbols(block.x):
+        shapes = [tuple(value.shape)] * TRIALS
+    else:
+        shapes = [tuple(d if isinstance(d, int) else count for d in value.shape)
+                  for count in TOKEN_COUNTS]
+    return [torch.randn(shape, generator=generator).to(value.dtype) for shape in shapes]
 
 
 # --- the rewrite ------------------------------------------------------------------------------
@@ -342,8 +494,9 @@ def _fuse(module: fx.GraphModule, block: Block, proof: Proof, index: int) -> Non
     fused.meta["val"] = out.meta["val"]
     out.replace_all_uses_with(fused)
     # What only the block used goes: walk back from its old end, erasing what has no users.
-    region = sorted(_ancestors(out, frozenset({block.x})) | {out},
-                    key={n: i for i, n in enumerate(graph.nodes)}.__getitem__, reverse=True)
+    nodes, leaves = _region_nodes(out, block.x)
+    region = sorted(nodes | set(leaves), key={n: i for i, n in enumerate(graph.nodes)}.__getitem__,
+                    reverse=True)
     for node in region:
         # export's dtype assertions on the block's values would keep the whole block alive
         for user in [u for u in node.users if u.target is _ASSERT_METADATA]:
@@ -356,10 +509,11 @@ def fuse_moe_blocks(module: fx.GraphModule, target) -> int:
     """Replace, in place, every proven routed MoE block by one ``tract_moe_ffn`` bridge op;
     how many. A block that is not proven is left for ``moe.py``'s plain ops (logged why)."""
     refused = fusion_refused(target)
-    blocks = find_blocks(module.graph)
-    unread = len(_pairs(module.graph)) - len(blocks)
-    if unread:  # e.g. tokens of a symbolic length: the proof runs at fixed shapes only
-        LOG.info("%d grouped_mm pairs not read as a static routed block: plain ops", unread)
+    misses: list = []
+    blocks = find_blocks(module.graph, misses)
+    for name, why in misses:
+        LOG.info("expert products at %s not read as a routed MoE block (%s): plain ops",
+                 name, why)
     if refused is not None:
         if blocks:
             LOG.info("%d MoE blocks left as plain ops: %s", len(blocks), refused)
@@ -368,7 +522,7 @@ def fuse_moe_blocks(module: fx.GraphModule, target) -> int:
     for block in blocks:
         proof, why = prove(module, block)
         if proof is None:
-            LOG.info("MoE block at %s left as plain ops: %s", block.up.name, why)
+            LOG.info("MoE block at %s left as plain ops: %s", block.name, why)
             continue
         _fuse(module, block, proof, count)
         count += 1
