@@ -110,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="also write the S = 1 graph X.decode.nnef.tgz (the pair of "
                         "earlier releases: a second copy of the weights; by default the one "
                         "graph serves decode, its scans taking one step at S = 1)")
+    export.add_argument("--stream", action="store_true",
+                        help="with --model: trace without the weights and write each one from "
+                        "the safetensors files, converted on the way (memory does not grow "
+                        "with the model's f32 size; the tract check is skipped)")
     export.add_argument("--no-check", action="store_true",
                         help="skip the short tract generation compared with transformers")
     generate = _subparser(sub, "generate", "generation in tract from an export: text or "
@@ -277,6 +281,12 @@ def _dispatch(args) -> int:
               seed=args.seed, weights=args.weights,
               route="generalize" if args.generalize else "reify", runtime=args.runtime,
               decode_graph=args.decode_graph)
+    job.stream = args.stream
+    if args.stream and (args.seq_len is not None or args.dynamic_seq):
+        from gdn_fx.errors import UsageError
+
+        raise UsageError("--stream writes the generation-ready export: no --seq-len, "
+                         "--dynamic-seq")
     if args.seq_len is None and not args.dynamic_seq:
         return _export_generator(job, check=not args.no_check)
     return _export(job)

@@ -38,6 +38,7 @@ class Job:
     # fixed (S, P), collapsed and generalized: gdn_fx.hf.generalized)
     route: str = "reify"
     runtime: str = "cpu"  # the tract runtime the NNEF is lowered for: cpu or cuda (export_nnef)
+    stream: bool = False  # weights read from model_dir's safetensors as written (hf/stream.py)
     # generation-ready artifact: also write the S = 1 graph beside it (the pair of earlier
     # releases; by default one graph serves every S: one copy of the weights)
     decode_graph: bool = False
@@ -198,6 +199,10 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
     from gdn_fx.hf.generator import (Generator, check_generation, export_generator,
                                      with_stored_weights)
 
+    if job.stream:  # the model never in memory: gdn_fx.hf.stream
+        from gdn_fx.hf.stream import run_streamed
+
+        return run_streamed(job, say)
     model, name = build_model(job)
     require_fusions(model, name)
     report = GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P, "

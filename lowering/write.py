@@ -22,6 +22,7 @@ import torch
 from gdn_fx.errors import ExportRefused, LoweringUnsupported, UsageError
 from gdn_fx.lowering.plan import fallbacks, plan, summary
 from gdn_fx.lowering.t2n import program as prog
+from gdn_fx.lowering.t2n import streamed
 from gdn_fx.lowering.t2n.bridge import to_bridge
 from gdn_fx.lowering.t2n.dynamic_axes import frozen_axes, refuse_frozen_axes
 from gdn_fx.lowering.t2n.fixes import apply_fixes
@@ -59,7 +60,8 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
     _refuse_loop_hops(module)
     prog.refuse_bfloat16(module)
     moe, choose = split_choice(choose)  # choose["transformers_moe"], not a table entry
-    if moe == FUSED:  # before the fixes: what is left of a block becomes plain ops (moe.py)
+    # A streamed export cannot prove a block (it runs the block on the weights): plain ops.
+    if moe == FUSED and streamed.active() is None:  # before the fixes: else plain (moe.py)
         fuse_moe_blocks(module, target)
     apply_fixes(module)
     if dynamic_axes:
@@ -113,6 +115,14 @@ def _deep_graph_walks():
         sys.setrecursionlimit(old)
 
 
+def _streamed(module, t2n_target):
+    """A streamed export (t2n/streamed.py): its placeholders written from their sources."""
+    placeholders = streamed.active()
+    if placeholders is None:
+        return contextlib.nullcontext()
+    return streamed.streamed_writes(streamed.labels(module, placeholders), t2n_target)
+
+
 def _write(module, writer_path: Path, compression: Optional[int], target: Target,
            dynamic_axes, decisions, input_names: list, output_names: Optional[list],
            symbol_min: Mapping[str, int], weights: str = "f32") -> Path:
@@ -139,7 +149,7 @@ def _write(module, writer_path: Path, compression: Optional[int], target: Target
     symbols = sorted({str(s) for axes in (dynamic_axes or {}).values()
                       for s in (axes.values() if isinstance(axes, Mapping) else [])})
     # stdout: on an input-count mismatch torch-to-nnef prints the whole traced graph first.
-    with torch.inference_mode(), _deep_graph_walks(), \
+    with torch.inference_mode(), _deep_graph_walks(), _streamed(module, t2n_target), \
             contextlib.redirect_stdout(io.StringIO()):  # inference_mode: t2n's slicing needs it
         try:
             written = Path(export_model_to_nnef(

@@ -146,8 +146,10 @@ def fingerprint(model: nn.Module, weights: str = "f32") -> str:
               if not k.startswith("_") and k != "transformers_version"}
     record = {"config": config, "weights": weights}
     digest.update(json.dumps(record, sort_keys=True, default=str).encode())
+    from gdn_fx.lowering.t2n.streamed import resolve  # a streamed export's placeholders
+
     for name, tensor in model.state_dict().items():
-        tensor = tensor.detach().cpu().contiguous()
+        tensor = resolve(tensor).detach().cpu().contiguous()
         digest.update(f"\n{name} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy
     return "sha256:" + digest.hexdigest()

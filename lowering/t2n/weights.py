@@ -154,7 +154,7 @@ def _as_f16(module: fx.GraphModule, report: WeightReport) -> None:
         if param.dtype == torch.float64:  # tract's f64 support is thin: not ours to change
             report.kept[node.target] = "float64"
             continue
-        half = torch.nn.Parameter(param.detach().to(torch.float16), requires_grad=False)
+        half = torch.nn.Parameter(_converted(param, torch.float16), requires_grad=False)
         _set_attribute(module, node.target, half)
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(node.users, key=order.__getitem__)  # after the anchor input, too
@@ -168,6 +168,19 @@ def _as_f16(module: fx.GraphModule, report: WeightReport) -> None:
     if report.converted:
         graph.lint()
         module.recompile()
+
+
+def _converted(param, to):
+    """``param`` as ``to`` (a dtype, or a quantizer) stores it; a placeholder of a streamed
+    export (t2n/streamed.py) stays one, whose source the writer converts instead."""
+    from gdn_fx.lowering.t2n import streamed
+
+    placeholders = streamed.active()
+    if placeholders is not None and placeholders.source(param.detach()) is not None:
+        if isinstance(to, torch.dtype):
+            return placeholders.as_dtype(param.detach(), to)
+        return placeholders.quantized(param.detach(), to)
+    return param.detach().to(to) if isinstance(to, torch.dtype) else to(param.detach())
 
 
 # --- q4_0 -------------------------------------------------------------------------------
@@ -236,7 +249,7 @@ def _quantize_products(module: fx.GraphModule, node: fx.Node, param) -> None:
 
     graph = module.graph
     with torch.no_grad():
-        quantized = fp_to_tract_q4_0_with_min_max_calibration(param.detach())
+        quantized = _converted(param, fp_to_tract_q4_0_with_min_max_calibration)
     products = [u for u in node.users if u.target is not aten.embedding.default]
     if len(products) == len(node.users):
         quantized.nnef_name = node.target

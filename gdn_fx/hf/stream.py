@@ -1,0 +1,235 @@
+"""Export by streaming from the checkpoint folder (issue 31, ``gdn-fx export --stream``).
+
+    files = export_checkpoint("ckpt/", "out/m.nnef.tgz", weights="q4_0")  # stream=True
+
+The in-memory route (``from_pretrained`` in f32, then ``export_generator``) holds the whole
+model in f32, and more copies while it writes (18.1 GB peak for a 1.5 GB bf16 0.8B). The
+streamed route builds the model with its parameters on the meta device, then gives each
+matrix weight (``nn.Linear`` and ``nn.Embedding`` weights, MoE expert stacks) a PLACEHOLDER
+that holds no memory (gdn_fx.lowering.t2n.streamed) and the other parameters (norms, conv
+filters, decays: small, and read by the constants torch-to-nnef folds) their real values.
+It traces and lowers that model as the in-memory route does; when torch-to-nnef writes the
+variables, each placeholder is read from the safetensors files (one tensor at a time),
+converted to the model's dtype and the artifact's format (f32, f16, q4_0) by the same
+functions: the files are byte for byte those of the in-memory route (tests/test_stream_export.py).
+
+What it refuses: a constant computed from a placeholder's values (ExportRefused naming the
+NNEF variable), a parameter the checkpoint holds under a layout it does not know
+(CheckpointError naming it), ``decode=True`` (the decode graph is checked against the model).
+MoE blocks are written as plain ops (``choose={"transformers_moe": "gathered_bmm"}``'s
+spelling), not as ``tract_moe_ffn``: that fusion proves each block by running it on the
+expert weights (lowering/t2n/moe_ffn.py), which a streamed trace does not hold.
+What it does not do: the tract-vs-transformers check (the model's weights never are in memory;
+``gdn-fx generate --check --model DIR`` runs it on the written file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from gdn_fx.errors import CheckpointError, UsageError
+from gdn_fx.lowering.t2n.streamed import Placeholders, streaming
+
+INDEX = "model.safetensors.index.json"
+# transformers 5 fuses per-expert Linear weights into stacks; save_pretrained splits them.
+_EXPERTS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)")
+
+
+class Checkpoint:
+    """The safetensors files of a checkpoint folder, read one tensor at a time."""
+
+    def __init__(self, folder: Union[str, Path]) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / INDEX
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {key: self.folder / name for key, name in weight_map.items()}
+        else:
+            self.files = {}
+            for file in sorted(self.folder.glob("*.safetensors")):
+                with safe_open(str(file), "pt") as handle:
+                    self.files.update({key: file for key in handle.keys()})
+        if not self.files:
+            raise CheckpointError(f"{self.folder} holds no safetensors weights (--stream reads "
+                                  "model.safetensors or its shards)")
+
+    def read(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[key]), "pt") as handle:
+            return handle.get_tensor(key)
+
+    def loader(self, names: list, shape: tuple, dtype: torch.dtype
+               ) -> Optional[Callable[[], torch.Tensor]]:
+        """A function reading the parameter known by ``names`` (its aliases, tied weights)
+        in ``dtype``, or None when the checkpoint holds none of them in a known layout."""
+        for name in names:
+            if name in self.files:
+                return lambda key=name: self.read(key).to(dtype)
+            fused = _EXPERTS.fullmatch(name)
+            if fused and len(shape) == 3 and self._has_experts(fused["prefix"], shape[0]):
+                return lambda m=fused: self._experts(m["prefix"], m["kind"], shape[0], dtype)
+        return None
+
+    def _has_experts(self, prefix: str, count: int) -> bool:
+        return all(f"{prefix}.{e}.{kind}.weight" in self.files for e in range(count)
+                   for kind in ("gate_proj", "up_proj", "down_proj"))
+
+    def _experts(self, prefix: str, kind: str, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """transformers' stack of one MoE block's experts: ``gate_up_proj`` [E, 2H, D]
+        (each expert's gate rows, then its up rows), ``down_proj`` [E, D, H]."""
+        def one(e: int) -> torch.Tensor:
+            if kind == "down_proj":
+                return self.read(f"{prefix}.{e}.down_proj.weight")
+            return torch.cat([self.read(f"{prefix}.{e}.gate_proj.weight"),
+                              self.read(f"{prefix}.{e}.up_proj.weight")], dim=0)
+        return torch.stack([one(e) for e in range(count)]).to(dtype)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Within: every parameter a module registers goes to the meta device (buffers stay:
+    rotary frequencies and the like are computed at construction and not in checkpoints)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"),
+                                                    requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _streams(module: nn.Module, local: str, param: nn.Parameter, path: str) -> bool:
+    """Whether the parameter is a placeholder: a matrix that products or gathers read."""
+    if local == "weight" and isinstance(module, (nn.Linear, nn.Embedding)):
+        return True
+    return param.dim() == 3 and path.rsplit(".", 1)[-1] == "experts"
+
+
+def placeholder_model(folder: Union[str, Path], dtype: torch.dtype = torch.float32
+                      ) -> tuple[nn.Module, Placeholders]:
+    """The causal LM of checkpoint ``folder`` in ``dtype``: matrix weights as placeholders
+    whose sources read ``folder``'s safetensors, the other parameters and the persistent
+    buffers loaded. Raises CheckpointError for a parameter the checkpoint does not hold."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint = Checkpoint(folder)
+    config = AutoConfig.from_pretrained(folder)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # the meta copies above broke the ties made at construction
+    placeholders, names, owners = Placeholders(), {}, {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for local, param in module._parameters.items():
+            if param is not None:
+                full = f"{path}.{local}" if path else local
+                names.setdefault(id(param), []).append(full)
+                owners.setdefault(id(param), []).append((module, local, path))
+    replaced = {}
+    for key, aliases in names.items():
+        module, local, path = owners[key][0]
+        param = module._parameters[local]
+        load = checkpoint.loader(aliases, tuple(param.shape), dtype)
+        if load is None:
+            raise CheckpointError(f"--stream: {folder} holds no tensor for parameter "
+                                  f"{aliases[0]} {tuple(param.shape)} under a layout gdn-fx "
+                                  "reads (export without --stream: transformers knows it)")
+        value = placeholders.make(aliases[0], param.shape, dtype, load) \
+            if _streams(module, local, param, path) else load()
+        replaced[key] = nn.Parameter(value, requires_grad=False)
+        for owner, name, _ in owners[key]:
+            owner._parameters[name] = replaced[key]
+    _load_buffers(model, checkpoint, dtype)
+    return model.eval(), placeholders
+
+
+def _load_buffers(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+    """Persistent buffers the checkpoint holds, loaded (those it lacks keep their init)."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in checkpoint.files:
+                real = checkpoint.read(name)
+                buffer.copy_(real.to(buffer.dtype if not buffer.is_floating_point()
+                                     else dtype))
+
+
+def export_checkpoint(folder: Union[str, Path], path: Union[str, Path], *,
+                      weights: str = "f32", stream: bool = True, dtype: str = "f32",
+                      say: Callable[[str], None] = lambda line: None, **options):
+    """Write the checkpoint ``folder`` (config.json + safetensors) as a generation-ready NNEF
+    at ``path`` (``export_generator``'s artifact; ``options`` are its keyword arguments).
+
+    stream: True (the default here) traces the model without its weights and writes each
+    weight from the safetensors files, converted to ``weights`` on the way (see the module
+    doc); peak memory does not grow with the model's f32 size. False: the in-memory route
+    (``from_pretrained`` in ``dtype``, then ``export_generator``). Returns GeneratorFiles.
+    """
+    from gdn_fx.hf.generator import export_generator
+    from gdn_fx.pipeline import DTYPES
+
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    if not stream:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).eval()
+        return export_generator(model, path, weights=weights, say=say, **options)
+    if options.get("decode"):
+        raise UsageError("--stream writes one graph: the decode graph is checked against "
+                         "the model's outputs, and a streamed export never holds its weights")
+    model, placeholders = placeholder_model(folder, DTYPES[dtype])
+    with streaming(placeholders):
+        return export_generator(model, path, weights=weights, say=say, **options)
+
+
+SKIPPED_CHECK = ("skipped (--stream: the weights never are in memory; gdn-fx generate --check "
+                 "--model DIR compares the written file with transformers)")
+
+
+def run_streamed(job, say: Callable[[str], None] = print):
+    """``gdn_fx.pipeline.run_generator`` for ``job.stream``: the streamed export of
+    ``job.model_dir``, unchecked (says so). Returns a GeneratorReport."""
+    from gdn_fx import pipeline, tract_check
+    from gdn_fx.hf import DecodeStep
+    from gdn_fx.hf.generator import export_generator
+
+    if job.model_dir is None:
+        raise UsageError("--stream reads a checkpoint folder: give --model DIR")
+    if job.route != "reify" or getattr(job, "decode_graph", False):
+        raise UsageError("--stream writes the one-graph reify export (no --generalize, no "
+                         "--decode-graph)")
+    model, placeholders = placeholder_model(job.model_dir, pipeline.DTYPES[job.dtype])
+    name = f"{model.config.model_type} from {job.model_dir} (streamed)"
+    pipeline.require_fusions(model, name)
+    report = pipeline.GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P, "
+                                            f"weights {job.weights}")
+    job.out.parent.mkdir(parents=True, exist_ok=True)
+    with pipeline._timed(report, "export", say, "placeholders, reify, torch.export "
+                         "(symbolic S, P), NNEF with each weight read from the checkpoint"), \
+            streaming(placeholders):
+        report.files = export_generator(model, job.out, say=say, weights=job.weights)
+    report.expected = DecodeStep(model).expected_fusions
+    lowered = tract_check.read_decisions(report.files.main)
+    report.decisions = {report.files.main: lowered}
+    report.counts = {op: sum(1 for n in lowered if re.fullmatch(rf"{op}(_\d+)?", n))
+                     for op in report.expected}
+    if any(path.endswith(".experts") for path, _ in model.named_modules()):
+        say("[moe] expert blocks written as plain ops (--stream: the tract_moe_ffn fusion "
+            "proves each block on its weights)")
+    say(f"[check] tract generate vs transformers: {SKIPPED_CHECK}")
+    return report

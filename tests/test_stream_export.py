@@ -1,0 +1,136 @@
+"""The streamed export (gdn_fx.hf.stream, issue 31): the same files as the in-memory route.
+
+Each case saves a tiny model in bf16 (as real checkpoints are), exports it both ways and
+compares every file of the two archives byte for byte (every .dat); graph.nnef line by line,
+without torch-to-nnef's ``export_date`` property and with the counters in generated names
+left out (see _graph_text).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import re
+import tarfile
+
+import pytest
+import torch
+
+from gdn_fx.errors import CheckpointError, ExportRefused
+from gdn_fx.hf import tiny_model
+from gdn_fx.hf.stream import Checkpoint, export_checkpoint, placeholder_model
+from gdn_fx.lowering.t2n import streamed
+
+LIN, FULL = "linear_attention", "full_attention"
+SMALL = dict(num_hidden_layers=2, layer_types=[LIN, FULL])  # two layers: the file stays fast
+PLAIN_MOE = {"transformers_moe": "gathered_bmm"}  # the in-memory route's MoE fusion proves
+# each block by running it on the weights: a streamed export writes MoE blocks as plain ops
+
+
+def _checkpoint(tmp_path, family: str, **overrides):
+    folder = tmp_path / f"{family}_ckpt"
+    tiny_model(family, **SMALL, **overrides).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def _files(archive, into):
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return sorted(p.relative_to(into).as_posix() for p in into.rglob("*") if p.is_file())
+
+
+def _graph_text(path):
+    """graph.nnef without its export date, the counters of generated names left out: the
+    numbering of torch-to-nnef's names for the stored-weight casts was seen to shift by one
+    between two exports of one process (gdn_fx_stored_weight25 / 26, same line otherwise)."""
+    return [re.sub(r"([A-Za-z_])\d+\b", r"\1#", line)
+            for line in path.read_text().splitlines() if '"export_date"' not in line]
+
+
+def _same_files(tmp_path, folder, weights, **options):
+    archives = {}
+    for stream in (False, True):
+        archives[stream] = tmp_path / f"{'s' if stream else 'm'}_{weights}.nnef.tgz"
+        export_checkpoint(folder, archives[stream], weights=weights, stream=stream, **options)
+    memory, streamed_ = (tmp_path / f"m_{weights}", tmp_path / f"s_{weights}")
+    names = _files(archives[False], memory)
+    assert names == _files(archives[True], streamed_)
+    assert any(n.endswith(".dat") for n in names)
+    for name in names:
+        if name == "graph.nnef":
+            assert _graph_text(memory / name) == _graph_text(streamed_ / name)
+        else:
+            assert filecmp.cmp(memory / name, streamed_ / name, shallow=False), name
+
+
+@pytest.fixture(scope="module")
+def tied_dense(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("tied"), "qwen3_5", tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("weights", ["f32", "f16", "q4_0"])
+def test_dense_tied_checkpoint_streams_the_same_files(tied_dense, tmp_path, weights):
+    _same_files(tmp_path, tied_dense, weights)
+
+
+def test_moe_checkpoint_streams_the_same_files(tmp_path):
+    folder = _checkpoint(tmp_path, "qwen3_next")  # f16: the expert stacks converted too
+    _same_files(tmp_path, folder, "f16", choose=PLAIN_MOE)
+
+
+def test_placeholders_hold_no_weights_and_experts_are_restacked(tmp_path):
+    folder = _checkpoint(tmp_path, "qwen3_next")
+    model, placeholders = placeholder_model(folder)
+    loaded = type(model).from_pretrained(folder, dtype=torch.float32)
+    expected = loaded.state_dict()
+    stacks = 0
+    for name, value in model.state_dict().items():
+        source = placeholders.source(value)
+        real = streamed.resolve(value) if source is None else source.values()
+        assert torch.equal(real, expected[name]), name
+        if source is not None:
+            assert all(s == 0 for s in value.stride()) and torch.isnan(value).all()
+            stacks += name.endswith("gate_up_proj")
+    assert stacks == 2  # both layers' experts, read from the per-expert tensors
+
+
+def test_a_constant_folded_from_a_placeholder_is_refused(tmp_path):
+    """The conv filters stay real in a streamed export because the lowering reshapes them
+    (torch-to-nnef folds that into a variable of its own): as a placeholder, the folded
+    variable would be NaN, and the writer refuses it, naming it."""
+    from gdn_fx.hf.generator import export_generator
+
+    folder = _checkpoint(tmp_path, "qwen3_5")
+    model, placeholders = placeholder_model(folder)
+    conv = model.model.layers[0].linear_attn.conv1d
+    real = conv.weight.detach().clone()
+    conv.weight = torch.nn.Parameter(placeholders.make(
+        "conv", tuple(real.shape), torch.float32, lambda: real), requires_grad=False)
+    with streamed.streaming(placeholders), pytest.raises(ExportRefused, match="placeholder"):
+        export_generator(model, tmp_path / "x.nnef.tgz")
+    assert not (tmp_path / "x.nnef.tgz").exists()
+
+
+def test_unknown_checkpoint_layout_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _checkpoint(tmp_path, "qwen3_5")
+    file = folder / "model.safetensors"
+    tensors = load_file(file)
+    tensors["renamed.weight"] = tensors.pop("lm_head.weight")
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert "renamed.weight" in Checkpoint(folder).files
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        placeholder_model(folder)
+
+
+def test_cli_stream_writes_and_says_the_check_was_skipped(tmp_path, capsys):
+    from gdn_fx.cli import main
+
+    folder = _checkpoint(tmp_path, "qwen3_5")
+    out = tmp_path / "cli.nnef.tgz"
+    assert main(["export", "--model", str(folder), "--out", str(out), "--stream",
+                 "--weights", "q4_0"]) == 0
+    text = capsys.readouterr().out
+    assert out.exists() and "skipped (--stream" in text and "OK" in text.splitlines()[-1]
+    assert main(["export", "--model", str(folder), "--out", str(out), "--stream",
+                 "--seq-len", "2"]) == 2
