@@ -87,6 +87,8 @@ def main(argv=None) -> None:
         for _ in range(common.rounds_for(args, full=3, quick=2)):
             for key, call in calls.items():
                 rates[key].append(call())
+                print(f"[{key[0]}, {key[1]} threads] {rates[key][-1]:.1f} tokens/s",
+                      file=sys.stderr, flush=True)
     base = statistics.median(rates[("tract", threads[0])])
     rows = []
     for (engine, count), values in rates.items():
