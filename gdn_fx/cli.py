@@ -280,13 +280,7 @@ def _dispatch(args) -> int:
               seq_len=args.seq_len or 1, dynamic_seq=args.dynamic_seq, dtype=args.dtype,
               seed=args.seed, weights=args.weights,
               route="generalize" if args.generalize else "reify", runtime=args.runtime,
-              decode_graph=args.decode_graph)
-    job.stream = args.stream
-    if args.stream and (args.seq_len is not None or args.dynamic_seq):
-        from gdn_fx.errors import UsageError
-
-        raise UsageError("--stream writes the generation-ready export: no --seq-len, "
-                         "--dynamic-seq")
+              decode_graph=args.decode_graph, stream=args.stream)
     if args.seq_len is None and not args.dynamic_seq:
         return _export_generator(job, check=not args.no_check)
     return _export(job)

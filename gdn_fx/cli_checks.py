@@ -34,6 +34,9 @@ def check(args: argparse.Namespace) -> None:
     if getattr(args, "decode_graph", False) and (args.seq_len is not None or args.dynamic_seq):
         raise UsageError("--decode-graph belongs to the generation-ready artifact: it takes "
                          "no --seq-len / --dynamic-seq")
+    if getattr(args, "stream", False) and (args.seq_len is not None or args.dynamic_seq):
+        raise UsageError("--stream writes the generation-ready export: no --seq-len, "
+                         "--dynamic-seq")
     if getattr(args, "runtime", "cpu") != "cpu" and args.seq_len is None and \
             not args.dynamic_seq:
         raise UsageError(f"--runtime {args.runtime}: the generation-ready export "
