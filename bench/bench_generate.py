@@ -17,6 +17,8 @@ matmuls, so that ratio bounds how far tract's prefill can get ahead of torch's.
     .venv/bin/python bench/bench_generate.py --quick --formats f32 --no-peer --pair
         # the one-graph artifact (the default export) beside the pair of earlier releases
         # (export_generator(decode=True): + X.decode.nnef.tgz, a second copy of the weights)
+    .venv/bin/python bench/bench_generate.py --workdir W --reuse ...
+        # the exports W holds from an earlier run, cut short, are measured, not redone
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ def run_tract(main: str, decode: str) -> dict:
 
     from gdn_fx.hf.generator import Generator
 
-    start = time.perf_counter()
+    base, start = vm_rss(), time.perf_counter()  # base: Python, torch and tract imported
     gen = Generator(main, decode or None)
     load = time.perf_counter() - start
+    rss_load = vm_rss() - base
     ids = np.arange(3, 3 + PREFILL, dtype=np.int64)[None] % 1000 + 3
     chunk = gen.prefill_chunk
     timed = {}
@@ -88,7 +91,8 @@ def run_tract(main: str, decode: str) -> dict:
         start = time.perf_counter()
         logits, caches = gen.step(gen.decode, token, caches)
         steps.append(time.perf_counter() - start)
-    return dict(load=load, decode=statistics.median(steps[1:]), chunk=chunk, **timed)
+    return dict(load=load, rss_load=rss_load, decode=statistics.median(steps[1:]),
+                chunk=chunk, **timed)
 
 
 def run_torch(shape: dict) -> dict:
@@ -115,8 +119,17 @@ def run_torch(shape: dict) -> dict:
 def peak_rss() -> int:
     """This process's peak resident memory in bytes (VmHWM: unlike getrusage's ru_maxrss,
     which Linux carries across execve, it starts afresh with the process's own image)."""
+    return _status("VmHWM:")
+
+
+def vm_rss() -> int:
+    """This process's resident memory now, in bytes (VmRSS)."""
+    return _status("VmRSS:")
+
+
+def _status(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(key):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -204,6 +217,10 @@ def main(argv=None) -> None:
                         help="reuse the peer's export made into this --workdir by an earlier "
                         "run (bench/peer.py; its 0.8B export takes ~15-30 min)")
     parser.add_argument("--no-peer", action="store_true", help="leave the peer out")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the artifacts an earlier run wrote into --workdir (each "
+                        "export leaves its figures beside it in a .json): resumes a run cut "
+                        "short, e.g. on a machine that limits one command to 10 minutes")
     parser.add_argument("--pair", action="store_true",
                         help="also export each format as the pair of earlier releases (the "
                         "main graph + its S = 1 decode graph, decode=True) and measure it "
@@ -214,12 +231,17 @@ def main(argv=None) -> None:
     shape = QUICK if args.quick else SHAPE
     rounds = common.rounds_for(args, full=2, quick=1)
     folder = Path(args.workdir or tempfile.mkdtemp(prefix="gdn_fx_gen_"))
+    folder.mkdir(parents=True, exist_ok=True)
     artifacts, notes = {}, []
     labels = [(fmt, "") for fmt in args.formats]
     labels += [(fmt, "pair") for fmt in args.formats] if args.pair else []
     for fmt, pair in labels:  # each export in its own process: its memory is returned after
         label = f"{fmt} {pair}".strip()
-        artifacts[label] = _child("export_format", shape, fmt, str(folder), pair)
+        record = folder / f"model_{fmt}{'_pair' if pair else ''}.json"
+        if not (args.reuse and record.exists()):
+            record.write_text(json.dumps(_child("export_format", shape, fmt, str(folder),
+                                                pair)))
+        artifacts[label] = json.loads(record.read_text())
         notes.append(f"{label}: decode graph "
                      f"{'written' if artifacts[label]['decode'] else 'none'}")
     measured = {f"gdn-fx artifact in tract ({fmt})": [] for fmt in artifacts}
@@ -254,7 +276,8 @@ def main(argv=None) -> None:
         "in the row's format (one row for decode, 512 rows for prefill)"))
     common.emit(common.markdown(
         ["path", "decode ms/token", "/ floor", f"prefill ms (S={PREFILL})", "/ floor",
-         "prefill in one call", "export", "NNEF (all its graphs)", "load", "peak RSS"], rows))
+         "prefill in one call", "export", "NNEF (all its graphs)", "load", "RSS added by load",
+         "peak RSS"], rows))
     flops = first["flops_per_token"]
     common.emit(f"\nFloors measured in this run: memory bandwidth {bw / 1e9:.1f} GB/s (one "
                 f"thread); tract's matmul peak, 1 / {PREFILL} rows: " + ", ".join(
@@ -301,6 +324,7 @@ def _row(name: str, runs: list, artifacts: dict, first: dict, bw: float,
             f"{art['export']:.0f} s" if art else "-",
             common.human_bytes(art["nnef"]) if art else "-",
             f"{med['load']:.1f} s" if art else "-",
+            common.human_bytes(int(med["rss_load"])) if "rss_load" in med else "-",
             common.human_bytes(int(med["peak_rss"]))]
 
 
