@@ -40,6 +40,11 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1,
                         help="with --prompts-file: threads generating at once, each with its "
                         "own tract State on the one loaded model")
+    parser.add_argument("--batch", type=int, default=None, metavar="B",
+                        help="with --prompts-file: run a batched export (export_generator(..., "
+                        "batch=B); B must be the one it declares) in one tract State, its B "
+                        "slots decoding together, each freed slot taking the next prompt "
+                        "(greedy; gdn_fx.hf.batch)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt in the tokenizer's chat template (a user turn, "
                         "the assistant's turn opened)")
@@ -68,6 +73,7 @@ def uses_text_path(args: argparse.Namespace) -> bool:
                   for name, default in SAMPLING_FLAGS.items() if name != "seed")
     return (args.prompt is not None or args.prompt_file is not None or args.chat
             or getattr(args, "prompts_file", None) is not None
+            or getattr(args, "batch", None) is not None
             or getattr(args, "workers", 1) != 1
             or changed or bool(args.stop) or args.json or getattr(args, "sample_seed", None)
             is not None)
@@ -144,6 +150,12 @@ def generate_text(args: argparse.Namespace) -> int:
         raise UsageError("--system goes with --chat")
     if args.workers != 1 and args.prompts_file is None:
         raise UsageError("--workers goes with --prompts-file (one prompt runs on one thread)")
+    if args.batch is not None and args.prompts_file is None:
+        raise UsageError("--batch goes with --prompts-file (the prompts the slots serve)")
+    if args.batch is not None and (args.workers != 1 or not sampling.greedy
+                                   or sampling.repetition_penalty != 1 or args.stop):
+        raise UsageError("--batch runs greedy generation in one State: leave out --workers, "
+                         "--temperature, --repetition-penalty and --stop")
     if args.check and not (args.family or args.config or args.model_dir):
         raise UsageError("--check needs the model: --family, --config or --model")
     folder = text_source(args)
@@ -156,6 +168,8 @@ def generate_text(args: argparse.Namespace) -> int:
                    eos=eos_ids(folder, tokenizer) if folder is not None else [],
                    stop=args.stop, context=context_length(folder) if folder is not None
                    else None, keep_logits=args.check)
+    if args.batch is not None:
+        return _batched(args, prompts_of_file(args.prompts_file, tokenizer, args), options)
     if args.prompts_file is not None:
         return _many(args, prompts_of_file(args.prompts_file, tokenizer, args), options)
     prompt = text if text is not None else prompt_id_list(args.prompt_ids)
@@ -246,6 +260,55 @@ def _many(args, prompts: list, options: dict) -> int:
     print(f"tract: {len(runs)} prompts, {total} new tokens in {elapsed:.2f} s "
           f"({total / elapsed:.1f} tokens/s aggregate) on {workers} worker thread(s)",
           file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _batched(args, prompts: list, options: dict) -> int:
+    """Every prompt of --prompts-file through the --batch slots of a batched export
+    (``gdn_fx.hf.batch.BatchGenerator``): output as ``_many`` gives it. 0, or 1 when --check
+    finds a difference."""
+    from gdn_fx.hf.batch import BatchGenerator, check_batch
+    from gdn_fx.hf.generator import check_generation
+    from gdn_fx.text import prompt_ids
+
+    batch = check_batch(args.batch)
+    if not args.nnef.exists():
+        raise UsageError(f"--nnef {args.nnef} does not exist")
+    start = time.perf_counter()
+    generator = BatchGenerator(args.nnef, **({"prefill_chunk": args.prefill_chunk}
+                                            if args.prefill_chunk else {}))
+    if generator.batch != batch:
+        raise UsageError(f"--batch {batch}: {args.nnef} was exported for batch "
+                         f"{generator.batch}")
+    print(f"[load] {args.nnef}: batched graph (B = {batch}) in "
+          f"{time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+    tokenizer = options["tokenizer"]
+    ids = [prompt_ids(tokenizer, p) if isinstance(p, str) else p for p in prompts]
+    results = generator.generate(ids, options["max_new_tokens"], keep_logits=args.check,
+                                 eos=options["eos"])
+    model = _checked_model(args) if args.check else None
+    failed = 0
+    for index, result in enumerate(results):
+        found = None
+        if model is not None:
+            found = check_generation(model[0], result)
+            print(f"check against transformers ({model[1]}), prompt {index}: {found}",
+                  file=sys.stderr)
+            failed += not found.ok
+        text = tokenizer.decode(result.tokens) if tokenizer is not None else None
+        if args.json:
+            values = {"prompt_index": index, "prompt": result.prompt, "tokens": result.tokens,
+                      "text": text, "prefill_s": result.prefill_s, "decode_s": result.decode_s}
+            if found is not None:
+                values["check"] = {"ok": found.ok, "text": str(found)}
+            print(json.dumps(values, ensure_ascii=False))
+        else:
+            print(f"=== prompt {index}")
+            print(text if text is not None else "tokens: " + ",".join(map(str, result.tokens)))
+    print(f"tract: {len(results)} prompts, {generator.stats.rates()}, B = {batch} in one "
+          "State", file=sys.stderr)
+    if model is not None:
+        print("OK" if not failed else "NOT OK", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -69,6 +69,12 @@ class DecodeStep(nn.Module):
         return ["logits", *(f"new_{s.name}" for s in self.specs)]
 
     def forward(self, input_ids: Tensor, *states: Tensor) -> tuple[Tensor, ...]:
+        return self.run_model(input_ids, states)
+
+    def run_model(self, input_ids: Tensor, states: Sequence[Tensor],
+                  **model_kwargs) -> tuple[Tensor, ...]:
+        """``forward`` with ``model_kwargs`` passed on to the model (``position_ids``, an
+        ``attention_mask``: the batched step, ``gdn_fx.hf.batch``)."""
         check_states(self.specs, states, input_ids.shape[0])
         swaps = patching.recurrent_swaps(self.modeling) if self.rule == "recurrent" else []
         if compat.LINEAR_LAYER is None:  # before 5.5: the family's cache, one export blocker
@@ -77,7 +83,8 @@ class DecodeStep(nn.Module):
             cache = self._cache([s.clone() for s in states])
             try:
                 keep = {"logits_to_keep": 1} if self.last_logits else {}
-                logits = compat.run(self.model, cache, input_ids=input_ids, **keep).logits
+                logits = compat.run(self.model, cache, input_ids=input_ids, **keep,
+                                    **model_kwargs).logits
                 unconsumed = patching.PENDING.entry is not None
             finally:
                 patching.PENDING.entry = None

@@ -141,8 +141,12 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
                      all_logits: bool = False, tract_version: str = "0.23.9",
                      choose: Optional[Mapping] = None,
                      say: Callable[[str], None] = lambda line: None,
-                     weights: str = "f32") -> GeneratorFiles:
+                     weights: str = "f32", batch: Optional[int] = None) -> GeneratorFiles:
     """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF.
+
+    ``batch=B`` writes the batched graph instead (``gdn_fx.hf.batch``: B sequences of their
+    own pasts per call, run by ``BatchGenerator``; one graph, no decode graph); the default
+    None writes the one-sequence graph described here.
 
     ``path`` serves every S (prefill, and decode too: one copy of the weights); with
     ``decode=True`` an S = 1 graph is also written beside it as ``decode_path(path)``, the
@@ -161,6 +165,15 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
     """
     from gdn_fx.lowering.t2n.weights import check_format
 
+    if batch is not None:
+        from gdn_fx.hf.batch import export_batched
+
+        if decode:
+            raise UsageError("a batched export (batch=B) is one graph: decode=True does not "
+                             "apply to it")
+        return export_batched(model, path, batch, all_logits=all_logits,
+                              tract_version=tract_version, choose=choose, say=say,
+                              weights=weights)
     check_format(weights)
     path = Path(path)
     step = DecodeStep(prepare_for_nnef(model), last_logits=not all_logits, whole_windows=True)
@@ -507,6 +520,10 @@ class Generator:
     def __init__(self, main: Union[str, Path], decode: Optional[Union[str, Path]] = None,
                  prefill_chunk: Union[int, str, None] = "auto"):
         self.main_graph = load_graph(main)
+        if self.main_graph.properties.get("gdn_fx_batch"):  # gdn_fx.hf.batch.BATCH
+            raise ArtifactError(f"{main} is a batched artifact (B = "
+                                f"{self.main_graph.properties['gdn_fx_batch']}): run it with "
+                                "gdn_fx.hf.batch.BatchGenerator")
         self.decode_graph = load_graph(decode) if decode else self.main_graph
         if decode:
             check_pair(self.main_graph, self.decode_graph)
