@@ -10,20 +10,32 @@ iteration of the chunk loop takes (64) and M = floor(S / W) * W:
 
 At S = 1 that is zero chunks and one step (the decode cost of "matmul"); at S = 512 eight
 iterations of chunks and no step (the prefill cost of "chunked", without its padding). So a
-generation-ready artifact needs no second graph at S = 1 (issue 31). The two parts reuse the
-fragments of those candidates, written once under one digest.
+generation-ready artifact needs no second graph at S = 1 (issue 31).
+
+The chunk loop scans the RAW operands, W tokens an iteration: its body does the whole of
+chunked's work for them (layout, l2norm scalings, k k^T, pair decays, the inverse T, the two
+chunks, the layout back), so a loop of zero iterations runs none of it. (Batched over all
+chunks before the loop, as "chunked" does, those ~300 small ops ran on empty tensors at S = 1,
+~0.3 ms; with the two guards below written as ``select``, 1.97 ms against matmul's 0.51 on a
+16 x 128 layer, issue 31.)
 
 Trap (tract 0.23.9): a ``tract_core_scan`` that runs ZERO iterations returns a scalar, not its
 initial state, for its state (``last``) output. Either part may run zero iterations (S < W;
-S a multiple of W), so each part's final state is chosen by ``select`` on whether it ran:
-the condition is computed from the part's length (a [n] vector of ones summed, > 0), which
-tract evaluates at run time.
+S a multiple of W). Guards, chosen because ``select`` on a state costs ~0.4 ms (tract's Iff):
+
+- chunks: the loop gives the state after EVERY iteration (a ``full`` output, right at zero
+  iterations: [0, ...]); the initial state is put in front of them and the one after the
+  last iteration sliced out (row c = M / W of the B-row blocks): two copies of the state;
+- steps: where S is a multiple of W, one identity step (zero k, q, v, beta and log decay:
+  the state is kept exactly) is appended, so the loop never runs zero iterations, and its
+  output row is sliced off. The pad's length is written ``n/W + 1 - (n + W-1)/W`` (1 or 0):
+  written ``(W - r) / W`` it made tract's step loop twice as slow (measured, cause not
+  examined).
 
 It accepts what "chunked" accepts (GDN gate, q/k l2norm in the node, f16/f32 operands) and
 refuses the rest with chunked's reason (KDA gates, qk_l2norm=False: "matmul" serves them),
-and f64 arithmetic: the scalar that scan of zero iterations returns is an f32 one whatever
-the state's dtype, and ``select`` refuses to meet it with an f64 state ("chunked" serves f64;
-no f64 model is deployed). It is the
+and f64 arithmetic (refused when the guards were ``select``s, which refused f64 against the f32
+scalar; not re-examined: "chunked" serves f64, no f64 model is deployed). It is the
 measured choice for a symbolic S on the CPU; a static S takes "matmul_step" (S = 1),
 "chunked_unrolled" or "chunked" (``suits``), and under the CUDA runtime (not measured there)
 the CPU fallback stays "chunked".
@@ -68,59 +80,83 @@ def suits(facts: ScanFacts, target: Target) -> Optional[str]:
     return None
 
 
-def _ran_lines(name: str, length: str) -> list[str]:
-    """``name``: a boolean scalar, true when ``length`` (a dim expression) is > 0."""
-    return [f"{name}_ones = tract_core_broadcast(ones1, shape = [{length}]);",
-            f"{name} = gt(sum_reduce({name}_ones, axes = [0]), 0.5);"]
+BODY_PARAMS = ["s0", *OPERANDS, *text.CONSTANTS]
 
 
-def split_lines(suffix: str) -> list[str]:
-    """The top fragment: cut at M, chunks over [0, M), steps over [M, S), the state guarded
-    where a part runs zero iterations."""
-    lines = common.dims_lines() + [f"m = n / {WHOLE} * {WHOLE};"]
+def body_lines(facts: ScanFacts, suffix: str) -> list[str]:
+    """One iteration of the chunk loop: W = 64 raw tokens [B, W, ...] and the state entering
+    them (contract layout) -> their output [B, W, Hv, Dv], the state leaving them, and that
+    state again with a leading axis (the loop's per-iteration ``full`` output)."""
+    chunk = gdn_chunked.SCAN_CHUNK
+    return (text.prepare_lines(facts, chunk, "0", suffix)
+            + text.inverse_part_lines(chunk, gdn_chunked.LEAF)
+            + text.unrolled_loop_lines(gdn_chunked.SCAN_CHUNKS_PER_STEP, suffix)
+            + text.finish_lines(facts, "fin")
+            + ["states = unsqueeze(final, axes = [0]);"])
+
+
+def split_lines(facts: ScanFacts, suffix: str) -> list[str]:
+    """The top fragment: cut at M, the chunk loop over [0, M) (its state after each
+    iteration, s0 in front, the last sliced out), the steps over [M, S) with one identity
+    step appended where S - M = 0 (its output row dropped); see the module docstring."""
+    hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
+    lines = common.dims_lines() + [f"m = n / {WHOLE} * {WHOLE};", "r = n - m;",
+                                   f"c = m / {WHOLE} * b;", "c1 = c + b;",
+                                   f"p = n / {WHOLE} + 1 - (n + {WHOLE - 1}) / {WHOLE};"]
     for name in OPERANDS:
         lines += [f"{name}1 = slice({name}, axes = [1], begin = [0], end = [m]);",
                   f"{name}2 = slice({name}, axes = [1], begin = [m], end = [n]);"]
-    consts = ", ".join(text.CONSTANTS)
-    lines += [*_ran_lines("ran1", "m"),
-              f"(o1, s1) = gdn_fx_chunked{suffix}(q1, k1, v1, g1, beta1, s0, {consts}, ran1);",
-              f"(o2, f2) = gdn_fx_matmul{suffix}(q2, k2, v2, g2, beta2, s1, mk0, mk1, scale);",
-              *_ran_lines("ran2", "n - m"),
-              "final = select(ran2, f2, s1);",
+    scans = ", ".join(f'("{name}", {name}1, 1, {WHOLE})' for name in OPERANDS)
+    full = ", ".join(f'("{name}", {name})' for name in text.CONSTANTS)
+    lines += [f'(sts, o1) = tract_core_scan(body = "gdn_fx_split_chunks{suffix}",',
+              f"    scan = [{scans}],",
+              f"    full = [{full}], state = [(\"s0\", s0, \"final\")],",
+              f'    output = [("states", "full", 0, 1), ("out", "full", 1, {WHOLE})],',
+              "    skip = 0, reset_every_turn = 1);",
+              "sall = concat([s0, reshape(sts, shape = [-1], axis_start = 0, axis_count = 2)],"
+              " axis = 0);",
+              "s1 = slice(sall, axes = [0], begin = [c], end = [c1]);"]
+    for name, zero, tail in (("q", "zero4", f", {hk}, {dk}"), ("k", "zero4", f", {hk}, {dk}"),
+                             ("v", "zero4", f", {hv}, {dv}"), ("g", "zero3", f", {hv}"),
+                             ("beta", "zero3", f", {hv}")):
+        lines.append(f"{name}3 = concat([{name}2, tract_core_broadcast({zero},"
+                     f" shape = [b, p{tail}])], axis = 1);")
+    lines += ["(o3, final) = gdn_fx_matmul" + suffix +
+              "(q3, k3, v3, g3, beta3, s1, mk0, mk1, scale);",
+              "o2 = slice(o3, axes = [1], begin = [0], end = [r]);",
               "out = concat([o1, o2], axis = 1);"]
     return lines
 
 
-PARAMS = ["q", "k", "v", "g", "beta", "s0", *text.CONSTANTS, "mk0", "mk1", "ones1"]
+PARAMS = ["q", "k", "v", "g", "beta", "s0", *text.CONSTANTS, "mk0", "mk1"]
 
 
 def definitions(facts: ScanFacts, suffix: str) -> str:
-    """Every fragment of one node configuration: chunked's loop (nothing to pad), matmul's
+    """Every fragment of one node configuration: one chunk, the chunk loop's body, matmul's
     loop of steps, and the top fragment joining them."""
-    chunked = text.definitions(facts, gdn_chunked.SCAN_CHUNK, 0, suffix,
-                               gdn_chunked.SCAN_CHUNKS_PER_STEP, gdn_chunked.LEAF,
-                               guarded=True)
+    chunk = common.fragment_text(f"gdn_fx_chunked_chunk{suffix}",
+                                 ["state", *text.CHUNK_INPUTS], ["new_state", "o"],
+                                 text.chunk_lines())
+    body = common.fragment_text(f"gdn_fx_split_chunks{suffix}", BODY_PARAMS,
+                                ["final", "out", "states"], body_lines(facts, suffix))
     steps = gdn_matmul.fragment_definitions(facts, single=False, suffix=suffix)
     top = common.fragment_text(f"gdn_fx_split{suffix}", PARAMS, ["out", "final"],
-                               split_lines(suffix))
-    return "\n".join([chunked, steps, top])
+                               split_lines(facts, suffix))
+    return "\n".join([chunk, body, steps, top])
 
 
 def emit(ctx: EmitContext) -> list:
     """Write chunks then steps for one node; returns the fragments it needs."""
-    import numpy as np
-
     facts = ctx.facts
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work)
     values = gdn_chunked.constants(gdn_chunked.SCAN_CHUNK, gdn_chunked.LEAF)
     consts = [common.scale_variable(ctx, work) if name == "scale" else
               common.variable(ctx, name, values[name], work) for name in text.CONSTANTS]
-    ones = common.variable(ctx, "ones1", np.ones((1,)), "f32")
     name, frag = common.fragment("gdn_fx_split", lambda suffix: definitions(facts, suffix))
     out = ctx.tensor("out", facts.shapes["v"], work)
     final = ctx.tensor("final_state", facts.shapes["initial_state"], work)
-    ctx.apply_multi(name, operands + consts + gdn_matmul.masks(ctx, work) + [ones],
+    ctx.apply_multi(name, operands + consts + gdn_matmul.masks(ctx, work),
                     (out, final))
     common.finish_outputs(ctx, out, final)
     return [frag]
