@@ -91,10 +91,15 @@ def test_the_automatic_prefill_chunk_follows_the_widest_projection(tmp_path):
     widest = max(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
     files = export_generator(model, tmp_path / "q.nnef.tgz", decode=False)
     text = tract_check.nnef_text(files.main)
+    assert "fragment gdn_fx_split_" in text  # the one graph's scans are "split"
     assert auto_prefill_chunk(text, l2_bytes=4 * widest * 150) == 128  # 64-token steps
-    assert auto_prefill_chunk(text, l2_bytes=4 * widest * 40) == 32  # below one step
-    assert auto_prefill_chunk(text, l2_bytes=4 * widest * 3) == 16  # the floor
+    assert auto_prefill_chunk(text, l2_bytes=4 * widest * 40) == 64  # split: one step at least
+    assert auto_prefill_chunk(text, l2_bytes=4 * widest * 3) == 64
     assert auto_prefill_chunk(text, l2_bytes=1 << 40) == 512  # the ceiling
+    other = text.replace("gdn_fx_split_", "gdn_fx_chunked_")  # no split scan: the L2 rule
+    assert auto_prefill_chunk(other, l2_bytes=4 * widest * 150) == 128
+    assert auto_prefill_chunk(other, l2_bytes=4 * widest * 40) == 32  # below one step
+    assert auto_prefill_chunk(other, l2_bytes=4 * widest * 3) == 16  # the floor
 
 
 def test_one_graph_by_default_serving_decode_with_split(tmp_path):
