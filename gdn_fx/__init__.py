@@ -9,12 +9,43 @@
     gdn_fx.generalize(trace)                 # one program symbolic in S, P from fixed traces
 """
 
+import importlib
+
 from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
-from gdn_fx.diff import GraphDiff, graph_diff
 from gdn_fx.errors import GdnFxError, GeneralizeRefused
-from gdn_fx.export import export_nnef
-from gdn_fx.generalize import Generalized, generalize
-from gdn_fx.passes import CollapseResult, Miss, collapse, compare_programs, find_unrolled
+
+# Each public name and the module that defines it, imported on first use: the torch-to-nnef
+# plug-in (an entry point, imported by every torch-to-nnef export on the machine) and the CLI
+# then pay only for what they run, not for passes/ (networkx, torch.export) and the differ.
+_WHERE = {
+    "CollapseResult": "gdn_fx.passes", "Miss": "gdn_fx.passes", "collapse": "gdn_fx.passes",
+    "compare_programs": "gdn_fx.passes", "find_unrolled": "gdn_fx.passes",
+    "GraphDiff": "gdn_fx.diff", "graph_diff": "gdn_fx.diff",
+    "export_nnef": "gdn_fx.export",
+    "Generalized": "gdn_fx.generalization", "generalize": "gdn_fx.generalization",
+}
+
+
+def __getattr__(name: str):
+    """A public name from its module (``_WHERE``), or a submodule (``gdn_fx.passes``), on
+    first use. No public name is also a submodule's name: importing that submodule would
+    rebind the package attribute to it (why gdn_fx.generalize lives in generalization.py)."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = ["CollapseResult", "GdnFxError", "GeneralizeRefused", "Generalized", "GraphDiff", "Miss",
            "collapse", "compare_programs", "export_nnef", "generalize",

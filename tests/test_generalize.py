@@ -15,7 +15,7 @@ from torch import nn
 import gdn_fx
 from gdn_fx import tract_check
 from gdn_fx.errors import GeneralizeRefused, UsageError
-from gdn_fx.generalize import FAR_MIN, far_point, fit_affine
+from gdn_fx.generalization import FAR_MIN, far_point, fit_affine
 from spellings import fla_naive_recurrent_gdn
 
 # (S, P) never traced: decode (S = 1), a first prefill (P = 0), longer than any trace.

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from gdn_fx.generalize import DEFAULT_POINTS, Generalized, generalize
+from gdn_fx.generalization import DEFAULT_POINTS, Generalized, generalize
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.generator import (NOT_ASKED, GeneratorFiles, decode_path, decode_problem,
                                  place_graphs)
