@@ -218,13 +218,10 @@ def unrolled_loop_lines(chunks: int, suffix: str) -> list[str]:
 
 
 def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
-                per_step: int = 2, leaf: int = 16, guarded: bool = False) -> str:
+                per_step: int = 2, leaf: int = 16) -> str:
     """Every fragment of one node configuration; ``unrolled_chunks`` 0 means the scan form
     (``per_step`` chunks per iteration) with a run-time pad, else that many chunks written out
-    (static S). ``guarded`` (scan form): the main fragment takes one more input, ``ran`` (a
-    boolean scalar, false when the loop runs zero iterations), and its final state is the
-    initial one where it is false: tract 0.23.9's scan of zero iterations returns a scalar for
-    its state (lowering/gdn_split.py, whose sequences may hold no whole chunk)."""
+    (static S)."""
     parts = [common.fragment_text(f"gdn_fx_chunked_chunk{suffix}", ["state", *CHUNK_INPUTS],
                                   ["new_state", "o"], chunk_lines())]
     if unrolled_chunks:
@@ -238,11 +235,9 @@ def definitions(facts: ScanFacts, chunk: int, unrolled_chunks: int, suffix: str,
             f"gdn_fx_chunked_scan_step{suffix}",
             ["state", *(f"{n}_c" for n in CHUNK_INPUTS)],
             ["new_state", "o_c"], scan_step_lines(per_step, suffix)))
-    guard = ["fing = select(ran, fin, st0);"] if guarded else []
     main = (prepare_lines(facts, chunk, pad, suffix) + inverse_part_lines(chunk, leaf) + loop
-            + guard + finish_lines(facts, "fing" if guarded else "fin"))
+            + finish_lines(facts, "fin"))
     parts.append(common.fragment_text(f"gdn_fx_chunked{suffix}",
-                                      ["q", "k", "v", "g", "beta", "s0", *CONSTANTS,
-                                       *(["ran"] if guarded else [])],
+                                      ["q", "k", "v", "g", "beta", "s0", *CONSTANTS],
                                       ["out", "final"], main))
     return "\n".join(parts)
