@@ -60,8 +60,7 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
     _refuse_loop_hops(module)
     prog.refuse_bfloat16(module)
     moe, choose = split_choice(choose)  # choose["transformers_moe"], not a table entry
-    # A streamed export cannot prove a block (it runs the block on the weights): plain ops.
-    if moe == FUSED and streamed.active() is None:  # before the fixes: else plain (moe.py)
+    if moe == FUSED:  # before the fixes: else plain (moe.py)
         fuse_moe_blocks(module, target)
     apply_fixes(module)
     if dynamic_axes:

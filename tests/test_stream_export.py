@@ -16,6 +16,7 @@ import tarfile
 import pytest
 import torch
 
+from gdn_fx import tract_check
 from gdn_fx.errors import CheckpointError, ExportRefused
 from gdn_fx.hf import tiny_model
 from gdn_fx.hf.stream import Checkpoint, export_checkpoint, placeholder_model
@@ -23,8 +24,7 @@ from gdn_fx.lowering.t2n import streamed
 
 LIN, FULL = "linear_attention", "full_attention"
 SMALL = dict(num_hidden_layers=2, layer_types=[LIN, FULL])  # two layers: the file stays fast
-PLAIN_MOE = {"transformers_moe": "gathered_bmm"}  # the in-memory route's MoE fusion proves
-# each block by running it on the weights: a streamed export writes MoE blocks as plain ops
+MOE_LOWERINGS = ("tract_moe_ffn", "gathered_bmm")  # choose["transformers_moe"]
 
 
 def _checkpoint(tmp_path, family: str, **overrides):
@@ -84,9 +84,32 @@ def test_dense_tied_checkpoint_streams_the_same_files(tied_dense, tmp_path, weig
     _same_files(tmp_path, tied_dense, weights)
 
 
-def test_moe_checkpoint_streams_the_same_files(tmp_path):
+@pytest.mark.parametrize("lowering", MOE_LOWERINGS)
+def test_moe_checkpoint_streams_the_same_files(tmp_path, lowering):
+    """Fused, the operator's weights (each expert stack's gate and up halves, transposed to
+    tract's layout) are computed from the stored stacks when written: the same bytes."""
     folder = _checkpoint(tmp_path, "qwen3_next")  # f16: the expert stacks converted too
-    _same_files(tmp_path, folder, "f16", choose=PLAIN_MOE)
+    _same_files(tmp_path, folder, "f16", choose={"transformers_moe": lowering})
+    text = (tmp_path / "s_f16" / "graph.nnef").read_text()
+    assert text.count("tract_moe_ffn(") == (2 if lowering == "tract_moe_ffn" else 0)
+
+
+def test_streamed_moe_checkpoint_generates_what_transformers_does(tmp_path):
+    """qwen3_5_moe from a bf16 folder, streamed (tract_moe_ffn per layer), against
+    transformers' greedy generate on the same stored weights, 32 tokens."""
+    from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
+    from gdn_fx.hf.generator import Generator, check_generation
+
+    folder = _checkpoint(tmp_path, "qwen3_5_moe")
+    files = export_checkpoint(folder, tmp_path / "moe.nnef.tgz", weights="f32")
+    assert tract_check.nnef_text(files.main).count("tract_moe_ffn(") == 2  # one per layer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    low, high = SAFE_TOKEN_RANGE
+    prompt = torch.randint(low, high, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    found = check_generation(model, Generator.open(files.main).generate(prompt, 32))
+    assert found.ok, found
 
 
 def test_placeholders_hold_no_weights_and_experts_are_restacked(tmp_path):

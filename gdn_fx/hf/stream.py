@@ -16,9 +16,9 @@ functions: the files are byte for byte those of the in-memory route (tests/test_
 What it refuses: a constant computed from a placeholder's values (ExportRefused naming the
 NNEF variable), a parameter the checkpoint holds under a layout it does not know
 (CheckpointError naming it), ``decode=True`` (the decode graph is checked against the model).
-MoE blocks are written as plain ops (``choose={"transformers_moe": "gathered_bmm"}``'s
-spelling), not as ``tract_moe_ffn``: that fusion proves each block by running it on the
-expert weights (lowering/t2n/moe_ffn.py), which a streamed trace does not hold.
+MoE blocks become ``tract_moe_ffn`` as in memory: the fusion proves each block by running it
+on random stand-ins for its placeholders (lowering/t2n/moe_ffn.py), and the operator's
+weights are placeholders too, computed from the stored expert stacks when written.
 What it does not do: the tract-vs-transformers check (the model's weights never are in memory;
 ``gdn-fx generate --check --model DIR`` runs it on the written file).
 """
@@ -228,8 +228,5 @@ def run_streamed(job, say: Callable[[str], None] = print):
     report.decisions = {report.files.main: lowered}
     report.counts = {op: sum(1 for n in lowered if re.fullmatch(rf"{op}(_\d+)?", n))
                      for op in report.expected}
-    if any(path.endswith(".experts") for path, _ in model.named_modules()):
-        say("[moe] expert blocks written as plain ops (--stream: the tract_moe_ffn fusion "
-            "proves each block on its weights)")
     say(f"[check] tract generate vs transformers: {SKIPPED_CHECK}")
     return report

@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from gdn_fx.errors import UsageError
+from gdn_fx.lowering.t2n import streamed
 from gdn_fx.lowering.t2n.moe import grouped_mm_op
 
 LOG = logging.getLogger("gdn_fx.lowering")
@@ -366,16 +367,53 @@ def _relative(got: Tensor, want: Tensor) -> float:
 
 
 class Proof:
-    """The operator's operands for one block, once the program's nodes agreed with them."""
+    """How the operator's operands are read off one block, once the program's nodes agreed
+    with them: the block's end ``out``, the ``router`` constant node, the ``reading`` of the
+    expert stacks ((up transposed, down transposed), :func:`_readings`) and the ``gate``;
+    ``like`` holds each operand's shape and dtype (meta tensors)."""
 
-    def __init__(self, out: fx.Node, wg: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-                 gate: str):
-        self.out, self.wg, self.w1, self.w2, self.w3, self.gate = out, wg, w1, w2, w3, gate
+    def __init__(self, out: fx.Node, router: fx.Node, reading: tuple, gate: str, like: dict):
+        self.out, self.router, self.reading, self.gate, self.like = (out, router, reading,
+                                                                     gate, like)
 
 
-def _constants(module: fx.GraphModule, nodes: list) -> list[Tensor]:
+class _Valued(fx.Interpreter):
+    """Runs a module with every attribute it reads passed through ``value`` first."""
+
+    def __init__(self, module: fx.GraphModule, value) -> None:
+        super().__init__(module)
+        self.value = value
+
+    def get_attr(self, target, args, kwargs):
+        return self.value(super().get_attr(target, args, kwargs))
+
+
+def _stand_ins():
+    """What the proof runs the program's constants as: themselves, except the placeholders
+    of a streamed export (t2n/streamed.py: a NaN without values), each a random tensor of
+    its shape, the same wherever it is read. The proof is one of structure (which reading
+    of the weights the nodes compute): random weights decide it as well as the stored ones.
+    Costs one block's expert weights in memory while that block is proven."""
+    placeholders = streamed.active()
+    if placeholders is None:
+        return lambda tensor: tensor
+    generator, drawn = torch.Generator().manual_seed(1), {}
+
+    def value(tensor):
+        source = placeholders.source(tensor)
+        if source is None:
+            return tensor
+        if source.name not in drawn:
+            drawn[source.name] = torch.randn(source.shape, generator=generator).to(tensor.dtype)
+        return drawn[source.name]
+    return value
+
+
+def _constants(module: fx.GraphModule, nodes: list, value=streamed.resolve) -> list[Tensor]:
+    """The values of constant ``nodes``, each attribute read as ``value`` of it (by default
+    its real values: a streamed export's placeholders loaded from their source)."""
     with torch.no_grad():
-        return [t.detach() for t in _subgraph(module, nodes, None)()]
+        return [t.detach() for t in _Valued(_subgraph(module, nodes, None), value).run()]
 
 
 def _router_candidates(module: fx.GraphModule, block: Block, experts: int) -> list[fx.Node]:
@@ -387,61 +425,80 @@ def _router_candidates(module: fx.GraphModule, block: Block, experts: int) -> li
             and _val(n).is_floating_point() and _constant_only(n, cache)]
 
 
-def _expert_readings(up_w: Tensor, down_w: Tensor, width: int) -> list[tuple]:
-    """Every (w1, w2, w3) in tract's layout (w1, w3 ``[E, D, H]``, w2 ``[E, H, D]``) that the
-    stored expert weights may mean: grouped_mm reads ``[E, D, 2H]`` and ``[E, H, D]``,
-    batched_mm transformers' own ``[E, 2H, D]`` and ``[E, D, H]``; where D = 2H both
-    orientations are tried (which one the program computes is decided by running it).
-    The gate half comes first (transformers' chunk(2) of gate_up)."""
-    ups = [w for w, axis in ((up_w, 1), (up_w.transpose(1, 2), 2))
-           if up_w.shape[axis] == width and w.shape[-1] % 2 == 0]
-    downs = [w for w, axis in ((down_w, 2), (down_w.transpose(1, 2), 1))
-             if down_w.shape[axis] == width]
-    readings = []
-    for up in ups:
-        half = up.shape[-1] // 2
-        readings += [(up[..., :half], down, up[..., half:]) for down in downs
-                     if down.shape[1] == half]
-    return readings
+def _readings(up_shape, down_shape, width: int) -> list[tuple[bool, bool]]:
+    """Every (up transposed, down transposed) under which the stored expert stacks are
+    tract's layout (w1, w3 ``[E, D, H]``, w2 ``[E, H, D]``): grouped_mm reads ``[E, D, 2H]``
+    and ``[E, H, D]``, batched_mm transformers' own ``[E, 2H, D]`` and ``[E, D, H]``; where
+    D = 2H both orientations are tried (which one the program computes is decided by
+    running it). The gate half comes first (transformers' chunk(2) of gate_up)."""
+    found = []
+    for up_t in (False, True):
+        rows, cols = (up_shape[2], up_shape[1]) if up_t else (up_shape[1], up_shape[2])
+        if rows != width or cols % 2:
+            continue
+        for down_t in (False, True):
+            inner, outer = (down_shape[2], down_shape[1]) if down_t else down_shape[1:]
+            if outer == width and inner == cols // 2:
+                found.append((up_t, down_t))
+    return found
 
 
-def _region_runs(module: fx.GraphModule, block: Block, out: fx.Node, draws: list) -> list:
-    """What the program's own nodes make of each draw of tokens, from ``x`` to ``out``."""
+def _up_halves(up: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
+    """(w1, w3): the gate and up halves of a stored gate_up stack, in tract's layout."""
+    up = up.transpose(1, 2) if transposed else up
+    half = up.shape[-1] // 2
+    return up[..., :half], up[..., half:]
+
+
+def _down(down: Tensor, transposed: bool) -> Tensor:
+    """w2 of a stored down stack, in tract's layout."""
+    return down.transpose(1, 2) if transposed else down
+
+
+def _region_runs(module: fx.GraphModule, block: Block, out: fx.Node, draws: list,
+                 value) -> list:
+    """What the program's own nodes make of each draw of tokens, from ``x`` to ``out``
+    (attributes read as ``value`` of them)."""
     _, leaves = _region_nodes(out, block.x)
-    region = _subgraph(module, [out], block.x, leaves)
+    region = _Valued(_subgraph(module, [out], block.x, leaves), value)
     symbols = _token_symbols(block.x)
     with torch.no_grad():
-        return [region(x, *(_size_value(leaf, tuple(x.shape), symbols) for leaf in leaves))[0]
-                for x in draws]
+        return [region.run(x, *(_size_value(leaf, tuple(x.shape), symbols)
+                                for leaf in leaves))[0] for x in draws]
 
 
 def prove(module: fx.GraphModule, block: Block) -> tuple[Optional[Proof], str]:
-    """(the operands, "") when one reading of the block computes what the program does on
-    random tokens (at a few token counts where their count is symbolic), else (None, why
-    not)."""
+    """(how to read the operands, "") when one reading of the block computes what the
+    program does on random tokens (at a few token counts where their count is symbolic),
+    else (None, why not)."""
     cache: dict = {}
     if not all(_constant_only(n, cache) for n in (block.up.weight, block.down.weight)):
         return None, "the expert weights are computed from a program input"
-    up_w, down_w = _constants(module, [block.up.weight, block.down.weight])
+    value = _stand_ins()
+    up_w, down_w = _constants(module, [block.up.weight, block.down.weight], value)
     if up_w.dim() != 3 or down_w.dim() != 3:
         return None, f"expert weights {tuple(up_w.shape)}, {tuple(down_w.shape)}"
-    readings = _expert_readings(up_w, down_w, _val(block.x).shape[-1])
+    readings = _readings(up_w.shape, down_w.shape, _val(block.x).shape[-1])
     bound = BOUNDS.get(_val(block.x).dtype)
     if bound is None:
         return None, f"tokens are {_val(block.x).dtype}"
     if not readings:
         return None, f"expert weights {tuple(up_w.shape)}, {tuple(down_w.shape)}"
     routers = _router_candidates(module, block, up_w.shape[0])
-    weights = dict(zip(routers, _constants(module, routers))) if routers else {}
+    weights = dict(zip(routers, _constants(module, routers, value))) if routers else {}
     draws = _draws(block)
     for out in _outputs_after(block):
-        wants = _region_runs(module, block, out, draws)
-        for wg, gate, (w1, w2, w3) in ((w, g, r) for w in weights.values() for g in GATES
-                                       for r in readings):
-            if all(_relative(moe_ffn_reference(x, wg, w1, w2, w3, block.k, gate), want)
-                   <= bound for x, want in zip(draws, wants)):
-                _warn_ties(wg, block)
-                return Proof(out, wg, *(w.contiguous() for w in (w1, w2, w3)), gate), ""
+        wants = _region_runs(module, block, out, draws, value)
+        for router, gate, reading in ((r, g, o) for r in weights for g in GATES
+                                      for o in readings):
+            (w1, w3), w2 = _up_halves(up_w, reading[0]), _down(down_w, reading[1])
+            if all(_relative(moe_ffn_reference(x, weights[router], w1, w2, w3, block.k,
+                                               gate), want) <= bound
+                   for x, want in zip(draws, wants)):
+                like = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                        for name, t in zip(("wg", "w1", "w2", "w3"),
+                                           (weights[router], w1, w2, w3))}
+                return Proof(out, router, reading, gate, like), ""
     return None, (f"no reading of the block (router among {len(weights)} [E, D] constants, "
                   f"gate {' or '.join(GATES)}, SwiGLU experts) computes what its nodes do")
 
@@ -484,11 +541,41 @@ def _attribute(module: fx.GraphModule, name: str, value: Tensor) -> fx.Node:
     return node
 
 
+def _operands(module: fx.GraphModule, block: Block, proof: Proof) -> dict[str, Tensor]:
+    """{wg, w1, w2, w3}: the operator's weights, read off the program's constants as the
+    proof read them. In a streamed export, one computed from a placeholder is a placeholder
+    too, whose source computes it from the stored weights when the writer writes it: the
+    expert stacks are never in memory before (one block's at a time, then)."""
+    up_t, down_t = proof.reading
+    reads = {"wg": (proof.router, lambda t: t),
+             "w1": (block.up.weight, lambda t: _up_halves(t, up_t)[0]),
+             "w2": (block.down.weight, lambda t: _down(t, down_t)),
+             "w3": (block.up.weight, lambda t: _up_halves(t, up_t)[1])}
+    placeholders, operands = streamed.active(), {}
+    for name, (node, part) in reads.items():
+        constant = _subgraph(module, [node], None)  # a copy: the block's nodes go below
+
+        def load(constant=constant, part=part) -> Tensor:
+            with torch.no_grad():
+                return part(_Valued(constant, streamed.resolve).run()[0].detach()).contiguous()
+        stored = [t for t in (*constant.parameters(), *constant.buffers())
+                  if placeholders is not None and placeholders.source(t) is not None]
+        if not stored:
+            operands[name] = load()
+        else:
+            like = proof.like[name]
+            operands[name] = placeholders.make(f"{block.name}.{name}", like.shape, like.dtype,
+                                               load)
+    return operands
+
+
 def _fuse(module: fx.GraphModule, block: Block, proof: Proof, index: int) -> None:
     graph, out = module.graph, proof.out
+    values = _operands(module, block, proof)
+    _warn_ties(streamed.resolve(values["wg"]), block)  # the stored router: small
     with graph.inserting_before(out):
-        operands = [_attribute(module, f"gdn_fx_moe{index}_{name}", getattr(proof, name))
-                    for name in ("wg", "w1", "w2", "w3")]
+        operands = [_attribute(module, f"gdn_fx_moe{index}_{name}", value)
+                    for name, value in values.items()]
         fused = graph.call_function(torch.ops.t2n_extra.gdn_fx_moe_ffn.default,
                                     (block.x, *operands, block.k, proof.gate))
     fused.meta["val"] = out.meta["val"]
