@@ -42,8 +42,9 @@ def _files(archive, into):
 def _graph_text(path):
     """graph.nnef without its export date, the counters of generated names left out: the
     numbering of torch-to-nnef's names for the stored-weight casts was seen to shift by one
-    between two exports of one process (gdn_fx_stored_weight25 / 26, same line otherwise)."""
-    return [re.sub(r"([A-Za-z_])\d+\b", r"\1#", line)
+    between two exports of one process (gdn_fx_stored_weight25 / 26, same line otherwise;
+    counters inside a name too, e.g. mixed_expert_6_...)."""
+    return [re.sub(r"([A-Za-z_])\d+(?=_|\b)", r"\1#", line)
             for line in path.read_text().splitlines() if '"export_date"' not in line]
 
 
@@ -53,12 +54,12 @@ def _digest(path):
 
 def _contents(folder, names):
     """(name, digest) of every weight file, sorted; the counter ending a generated name
-    (c111.dat, v13.dat, repeat_of_view8.dat) left out: torch-to-nnef numbers the anonymous
-    constants from counters that the export before it in the process moved (CI saw c111 /
-    c244 for one constant), so those files are paired by content. Checkpoint weights keep
-    their whole names (model.*.weight.dat ends in no digit)."""
-    return sorted((re.sub(r"\d+(?=\.dat$)", "#", n), _digest(folder / n))
-                  for n in names if n != "graph.nnef")
+    (c111.dat, v13.dat, repeat_of_view8.dat, gdn_fx_moe0_w1.dat) left out: torch-to-nnef
+    numbers the anonymous constants from counters that the export before it in the process
+    moved (CI saw c111 / c244 for one constant), so those files are paired by content.
+    Checkpoint weights keep their whole names."""
+    return sorted((n if n.startswith("model.") else re.sub(r"\d+", "#", n),
+                   _digest(folder / n)) for n in names if n != "graph.nnef")
 
 
 def _same_files(tmp_path, folder, weights, **options):

@@ -86,9 +86,20 @@ class Placeholders:
         """``quantize`` of ``tensor`` (a placeholder: NaN codes of the right shape),
         registered so that the writer writes the Q4_0 of the real tensor instead."""
         source = self.source(tensor)
-        value = quantize(tensor)
+        value = _hollow(quantize(tensor))
         self._by_id[id(value)] = (value, Source(source.name, source.shape, source.load, Q4_0))
         return value
+
+
+def _hollow(quantized):
+    """``quantized`` (torch-to-nnef's Q4_0 tensor of a placeholder) with its codes and
+    scales as zero-stride expansions: what the trace reads of them is their shapes, and the
+    writer writes the source's Q4_0 instead, so they need not hold a byte per weight."""
+    def hollow(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+    quantized.u8_blob = hollow(quantized.u8_blob)
+    quantized.qscheme.scale = hollow(quantized.qscheme.scale)
+    return quantized
 
 
 _ACTIVE: contextvars.ContextVar[Optional[Placeholders]] = contextvars.ContextVar(
