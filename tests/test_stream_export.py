@@ -170,3 +170,23 @@ def test_cli_stream_writes_and_says_the_check_was_skipped(tmp_path, capsys):
     assert out.exists() and "skipped (--stream" in text and "OK" in text.splitlines()[-1]
     assert main(["export", "--model", str(folder), "--out", str(out), "--stream",
                  "--seq-len", "2"]) == 2
+
+
+def test_the_file_holds_each_weight_once(tied_dense, tmp_path):
+    """Issue 31's one copy: each matrix of the model (tied tables once, as the model holds
+    them) is the data of exactly one .dat of the archive (after NNEF's 128-byte header), and
+    no two large .dat files hold the same bytes."""
+    from transformers import AutoModelForCausalLM
+
+    archive = tmp_path / "once.nnef.tgz"
+    export_checkpoint(tied_dense, archive, weights="f32")
+    with tarfile.open(archive) as tar:
+        data = {m.name: tar.extractfile(m).read()[128:] for m in tar.getmembers()
+                if m.name.endswith(".dat")}
+    large = [d for d in data.values() if len(d) > 4096]
+    assert len(large) > 8 and len(set(large)) == len(large)
+    model = AutoModelForCausalLM.from_pretrained(tied_dense, dtype=torch.float32)
+    for name, param in model.named_parameters():  # tied: listed once
+        values = param.detach().numpy().tobytes()
+        if len(values) > 4096:
+            assert sum(d == values for d in data.values()) == 1, name
