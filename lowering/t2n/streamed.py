@@ -28,6 +28,7 @@ import torch
 from gdn_fx.errors import ExportRefused
 
 Q4_0 = "q4_0"
+Q4_GROUP = 32  # tract Q4_0: one f16 scale per 32 values
 
 
 @dataclass(frozen=True)
@@ -82,24 +83,23 @@ class Placeholders:
         source = self.source(tensor)
         return self.make(source.name, source.shape, dtype, source.load)
 
-    def quantized(self, tensor: torch.Tensor, quantize: Callable):
-        """``quantize`` of ``tensor`` (a placeholder: NaN codes of the right shape),
-        registered so that the writer writes the Q4_0 of the real tensor instead."""
+    def quantized(self, tensor: torch.Tensor):
+        """torch-to-nnef's Q4_0 tensor for ``tensor`` (a placeholder), registered so that the
+        writer writes the Q4_0 of the real tensor instead: its codes and scales are zero-stride
+        expansions, made without quantizing the placeholder (what the trace reads of them is
+        their shapes). Quantizing the NaN placeholder itself cost a float copy of each weight
+        and more: a streamed export of the 0.8B shape in q4_0 peaked at 12.7 GiB, 9x its bf16
+        checkpoint (bench/bench_checkpoint.py)."""
+        from torch_to_nnef.tensor.quant import QScalePerGroupF16, QTensorTractScaleOnly
+
         source = self.source(tensor)
-        value = _hollow(quantize(tensor))
+        groups = tensor.numel() // Q4_GROUP
+        scheme = QScalePerGroupF16(group_size=Q4_GROUP, n_bits=4, scale=torch.zeros(
+            (), dtype=torch.float16).expand(groups, 1))
+        scheme.quantize_as_u8 = lambda fp: torch.zeros((), dtype=torch.uint8).expand(fp.shape)
+        value = QTensorTractScaleOnly(tensor, qscheme=scheme, dequant_to_dtype=tensor.dtype)
         self._by_id[id(value)] = (value, Source(source.name, source.shape, source.load, Q4_0))
         return value
-
-
-def _hollow(quantized):
-    """``quantized`` (torch-to-nnef's Q4_0 tensor of a placeholder) with its codes and
-    scales as zero-stride expansions: what the trace reads of them is their shapes, and the
-    writer writes the source's Q4_0 instead, so they need not hold a byte per weight."""
-    def hollow(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
-    quantized.u8_blob = hollow(quantized.u8_blob)
-    quantized.qscheme.scale = hollow(quantized.qscheme.scale)
-    return quantized
 
 
 _ACTIVE: contextvars.ContextVar[Optional[Placeholders]] = contextvars.ContextVar(
@@ -178,6 +178,8 @@ def _write_sources(graph, folder: str, sources: dict[str, Source], target) -> li
 
     from torch_to_nnef.nnef_io.writer import write_nnef_tensor
 
+    from gdn_fx.tract_check import release_freed_memory
+
     rest = []
     for op in graph.operations:
         label = op.attribs.get("label") if op.type == "variable" else None
@@ -199,6 +201,7 @@ def _write_sources(graph, folder: str, sources: dict[str, Source], target) -> li
                               os.path.join(folder, label + ".dat"),
                               quantized=bool(op.output.quant))
         del values
+        release_freed_memory()  # glibc keeps the freed blocks of each weight's conversion
     return rest
 
 

@@ -179,7 +179,7 @@ def _converted(param, to):
     if placeholders is not None and placeholders.source(param.detach()) is not None:
         if isinstance(to, torch.dtype):
             return placeholders.as_dtype(param.detach(), to)
-        return placeholders.quantized(param.detach(), to)
+        return placeholders.quantized(param.detach())  # tract Q4_0, the one quantizer
     return param.detach().to(to) if isinstance(to, torch.dtype) else to(param.detach())
 
 
