@@ -190,3 +190,21 @@ def test_the_file_holds_each_weight_once(tied_dense, tmp_path):
         values = param.detach().numpy().tobytes()
         if len(values) > 4096:
             assert sum(d == values for d in data.values()) == 1, name
+
+
+def test_q4_0_by_rows_writes_the_whole_tensors_bytes(tmp_path):
+    """The streamed writer quantizes large matrices a block of rows at a time: the file must
+    be the one quantizing the whole matrix writes (codes and scales alike)."""
+    from torch_to_nnef.tensor.quant import fp_to_tract_q4_0_with_min_max_calibration
+
+    from gdn_fx.lowering.t2n.offline_target import offline_tract_target
+
+    values = torch.randn(37, 96, generator=torch.Generator().manual_seed(0))
+    values[5, :32] = 0  # an all-zero group: scale 0
+    target = offline_tract_target("0.23.9", {}, {})
+    whole, blocks = tmp_path / "whole", tmp_path / "blocks"
+    whole.mkdir(), blocks.mkdir()
+    fp_to_tract_q4_0_with_min_max_calibration(values).write_in_file(str(whole), "w", target)
+    streamed.q4_0_by_rows(values, rows=5).write_in_file(str(blocks), "w", target)
+    assert (whole / "w.dat").read_bytes() == (blocks / "w.dat").read_bytes()
+    assert len((whole / "w.dat").read_bytes()) > 37 * 96 // 2

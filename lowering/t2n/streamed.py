@@ -191,11 +191,8 @@ def _write_sources(graph, folder: str, sources: dict[str, Source], target) -> li
             continue
         values = source.values()
         if source.stored == Q4_0:
-            from torch_to_nnef.tensor.quant import fp_to_tract_q4_0_with_min_max_calibration
-
             op.attribs.pop("custom_datatype", None)
-            fp_to_tract_q4_0_with_min_max_calibration(values).write_in_file(
-                folder, label, target)
+            q4_0_by_rows(values).write_in_file(folder, label, target)
         else:
             write_nnef_tensor(np.asarray(values.numpy(), order="C"),
                               os.path.join(folder, label + ".dat"),
@@ -203,6 +200,25 @@ def _write_sources(graph, folder: str, sources: dict[str, Source], target) -> li
         del values
         release_freed_memory()  # glibc keeps the freed blocks of each weight's conversion
     return rest
+
+
+def q4_0_by_rows(values: torch.Tensor, rows: int = 4096):
+    """torch-to-nnef's tract Q4_0 of the matrix ``values``, quantized ``rows`` rows at a
+    time: its groups of 32 lie within a row, so the blocks' codes and scales are those of
+    the whole (tests/test_stream_export.py). Quantizing a 1 GB table at once takes several
+    float temporaries of its size; by blocks the peak is the table and its codes."""
+    from torch_to_nnef.tensor.quant import (QScalePerGroupF16, QTensorTractScaleOnly,
+                                            fp_to_tract_q4_0_with_min_max_calibration)
+
+    if values.dim() != 2 or values.shape[0] <= rows:
+        return fp_to_tract_q4_0_with_min_max_calibration(values)
+    blocks = [fp_to_tract_q4_0_with_min_max_calibration(b) for b in values.split(rows)]
+    codes = torch.cat([b.u8_blob for b in blocks])
+    scheme = QScalePerGroupF16(group_size=Q4_GROUP, n_bits=4,
+                               scale=torch.cat([b.qscheme.scale for b in blocks]))
+    del blocks
+    scheme.quantize_as_u8 = lambda fp: codes
+    return QTensorTractScaleOnly(values, qscheme=scheme, dequant_to_dtype=values.dtype)
 
 
 def _refuse_derived(op, label: str) -> None:
