@@ -101,13 +101,15 @@ def _collapse(program: Any, inplace: bool, verify: bool, example_inputs,
     misses = _still_standing(misses, graph)
     for miss in misses:
         log.debug("near-miss (%s): %s", miss.kind, miss)
-    if graph is gm.graph and not inplace:  # no fusion was made: the input stays untouched
+    rewrote = graph is not gm.graph
+    if not rewrote and not inplace:  # no fusion was made: the input stays untouched
         graph = copy.deepcopy(graph)
     if inplace:
         gm.graph = graph
     else:
         gm = fx.GraphModule(gm, graph)
-    finish(gm)
+    if rewrote:  # dead code only where a rewrite left it: an unfused graph stays as traced
+        finish(gm)
     if ep is not None:
         ep = _sync_export(ep, gm, inplace)
     return CollapseResult(gm if ep is None else ep, counts, misses)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.versions
 
 SIX = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "bamba"}
 HAS = {"5.0.0": {"qwen3_next", "lfm2", "bamba"}, "5.10.4": SIX, "5.15.0": SIX,
-       "5.24.0": set(FAMILIES)}
+       "5.24.0": set(FAMILIES), "5.25.0": set(FAMILIES)}
 VERSION = transformers.__version__
 # Releases whose helpers work end to end: LinearAttentionLayer slots, module-level kernels.
 FULL = compat.LINEAR_LAYER is not None and hasattr(compat.LINEAR_LAYER(), "number_of_states")

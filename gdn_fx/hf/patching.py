@@ -127,7 +127,7 @@ class _Pending:
 PENDING = _Pending()
 
 
-class DeferringLinearAttentionLayer(compat.LINEAR_LAYER or object):  # type: ignore[misc]
+class DeferringLinearAttentionLayer(*compat.LINEAR_BASES):  # type: ignore[misc]
     """A LinearAttentionLayer whose prefill-with-state conv update leaves the state write to
     the conv function (a consumer of :data:`PENDING`), so it can run as one conv update.
 
@@ -142,6 +142,7 @@ class DeferringLinearAttentionLayer(compat.LINEAR_LAYER or object):  # type: ign
         state = self.conv_states[state_idx]
         full = torch.cat([state, conv_states], dim=-1)
         PENDING.entry = (full, state, conv_states)
+        compat.count_tokens(self, state_idx, conv_states.shape[-1])  # as super()'s would (5.25)
         return full
 
 

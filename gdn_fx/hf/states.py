@@ -180,6 +180,7 @@ def build_cache(config, specs: Sequence[StateSpec], tensors: Sequence[Tensor],
         raise ShapeError(f"expected {len(specs)} state tensors "
                          f"({', '.join(s.name for s in specs)}), got {len(tensors)}")
     cache = DynamicCache(config=config)
+    linear_class = linear_class or compat.COUNTING_LINEAR
     for index, layer in enumerate(cache.layers):
         if linear_class is not None and type(layer) is compat.LINEAR_LAYER:
             cache.layers[index] = linear_class(number_of_states=layer.number_of_states)
@@ -192,7 +193,22 @@ def build_cache(config, specs: Sequence[StateSpec], tensors: Sequence[Tensor],
             compat.set_state(layer, spec.kind, spec.slot, tensor)
         else:
             _fill_attention(layer, spec, tensor)
+    _carry_length(cache)
     return cache
+
+
+def _carry_length(cache: DynamicCache) -> None:
+    """Give the linear layers the cached length (transformers 5.25 counts tokens in each and
+    ``get_seq_length()`` reads layer 0's): the first other layer's, the one 5.24's
+    ``get_seq_length()`` read. A cache of linear layers alone keeps transformers' count."""
+    if not compat.COUNTS_TOKENS:
+        return
+    others = [layer for layer in cache.layers if not isinstance(layer, compat.CountingLayer)]
+    if not others:
+        return
+    length = others[0].get_seq_length()
+    for layer in cache.layers:
+        compat.carry_length(layer, length)
 
 
 def read_cache(cache: DynamicCache, specs: Sequence[StateSpec]) -> list[Tensor]:
