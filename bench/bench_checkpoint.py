@@ -19,9 +19,6 @@ tract's Q4_0 blocks; embedding tables and 3-D expert stacks stay f32).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,19 +83,10 @@ def export(folder: str, out: str, fmt: str) -> dict:
 # --- the parent ---------------------------------------------------------------------------
 
 def _child(kind: str, *args: str) -> dict:
-    """Run ``kind`` in a fresh one-thread process; its figures and peak RSS (VmHWM)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", RAYON_NUM_THREADS="1")
-    here = str(Path(__file__).parent)
+    """``kind`` in a fresh one-thread process (bench_generate's run_tract, else this
+    module's function); its figures and peak RSS (VmHWM)."""
     module = "bench_generate" if kind == "run_tract" else "bench_checkpoint"
-    code = (f"import sys, json; sys.path.insert(0, {here!r}); import torch; "
-            f"torch.set_num_threads(1); import {module} as m, bench_generate as b; "
-            f"r = m.{kind}(*{list(args)!r}); r['peak_rss'] = b.peak_rss(); "
-            "print('RESULT', json.dumps(r))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise RuntimeError(f"{kind} failed: {out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return bench_generate._child(kind, *args, module=module)
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -191,13 +191,15 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def _child(kind: str, *args: str) -> dict:
-    """Run one engine in a fresh one-thread process; its figures and peak RSS."""
+def _child(kind: str, *args: str, module: str = "bench_generate") -> dict:
+    """Run one engine (``module``'s function ``kind``) in a fresh one-thread process; its
+    figures and peak RSS."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRACT_NUM_THREADS="1",
                RAYON_NUM_THREADS="1")  # the name tract's binary reads is rayon's
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            "import torch; torch.set_num_threads(1); import bench_generate as b; "
-            f"r = b.{kind}(*{list(args)!r}); "
+            "import torch; torch.set_num_threads(1); "
+            f"import bench_generate as b, {module} as m; "
+            f"r = m.{kind}(*{list(args)!r}); "
             "r = r if isinstance(r, dict) else {'value': r}; "
             "r['peak_rss'] = b.peak_rss(); "
             "print('RESULT', json.dumps(r))")
