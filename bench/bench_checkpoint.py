@@ -98,8 +98,8 @@ def measure(shape: str, formats, workdir: Path, reuse: bool) -> list:
     if not (reuse and (folder / "config.json").exists()):
         made = _child("write_checkpoint", shape, str(folder))
         print(f"[{shape}] checkpoint: {made['params'] / 1e9:.2f} B parameters, "
-              f"{_folder_bytes(folder) / 2**30:.2f} GiB bf16 (built at {made['peak_rss'] / 2**30:.1f} "
-              "GiB peak)", file=sys.stderr)
+              f"{_folder_bytes(folder) / 2**30:.2f} GiB bf16 (built at "
+              f"{made['peak_rss'] / 2**30:.1f} GiB peak)", file=sys.stderr)
     ckpt = _folder_bytes(folder)
     rows = []
     for fmt in formats:
