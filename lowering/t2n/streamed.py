@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from gdn_fx.errors import ExportRefused
+from gdn_fx.lowering.t2n.weights import Q4_GROUP
 
 Q4_0 = "q4_0"
-Q4_GROUP = 32  # tract Q4_0: one f16 scale per 32 values
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,10 @@ class Placeholders:
         their shapes). Quantizing the NaN placeholder itself cost a float copy of each weight
         and more: a streamed export of the 0.8B shape in q4_0 peaked at 12.7 GiB, 9x its bf16
         checkpoint (bench/bench_checkpoint.py)."""
-        from torch_to_nnef.tensor.quant import QScalePerGroupF16, QTensorTractScaleOnly
-
         source = self.source(tensor)
-        groups = tensor.numel() // Q4_GROUP
-        scheme = QScalePerGroupF16(group_size=Q4_GROUP, n_bits=4, scale=torch.zeros(
-            (), dtype=torch.float16).expand(groups, 1))
-        scheme.quantize_as_u8 = lambda fp: torch.zeros((), dtype=torch.uint8).expand(fp.shape)
-        value = QTensorTractScaleOnly(tensor, qscheme=scheme, dequant_to_dtype=tensor.dtype)
+        codes = torch.zeros((), dtype=torch.uint8).expand(tensor.shape)  # a byte per weight
+        scales = torch.zeros((), dtype=torch.float16).expand(tensor.numel() // Q4_GROUP, 1)
+        value = _q4_0_tensor(tensor, codes, scales)
         self._by_id[id(value)] = (value, Source(source.name, source.shape, source.load, Q4_0))
         return value
 
@@ -207,17 +203,22 @@ def q4_0_by_rows(values: torch.Tensor, rows: int = 4096):
     time: its groups of 32 lie within a row, so the blocks' codes and scales are those of
     the whole (tests/test_stream_export.py). Quantizing a 1 GB table at once takes several
     float temporaries of its size; by blocks the peak is the table and its codes."""
-    from torch_to_nnef.tensor.quant import (QScalePerGroupF16, QTensorTractScaleOnly,
-                                            fp_to_tract_q4_0_with_min_max_calibration)
+    from torch_to_nnef.tensor.quant import fp_to_tract_q4_0_with_min_max_calibration
 
     if values.dim() != 2 or values.shape[0] <= rows:
         return fp_to_tract_q4_0_with_min_max_calibration(values)
     blocks = [fp_to_tract_q4_0_with_min_max_calibration(b) for b in values.split(rows)]
-    codes = torch.cat([b.u8_blob for b in blocks])
-    scheme = QScalePerGroupF16(group_size=Q4_GROUP, n_bits=4,
-                               scale=torch.cat([b.qscheme.scale for b in blocks]))
-    del blocks
-    scheme.quantize_as_u8 = lambda fp: codes
+    return _q4_0_tensor(values, torch.cat([b.u8_blob for b in blocks]),
+                        torch.cat([b.qscheme.scale for b in blocks]))
+
+
+def _q4_0_tensor(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor):
+    """torch-to-nnef's tract Q4_0 tensor of ``values`` holding the given codes (a byte per
+    weight) and scales (one f16 per group): its constructor would quantize ``values``."""
+    from torch_to_nnef.tensor.quant import QScalePerGroupF16, QTensorTractScaleOnly
+
+    scheme = QScalePerGroupF16(group_size=Q4_GROUP, n_bits=4, scale=scales)
+    scheme.quantize_as_u8 = lambda _: codes
     return QTensorTractScaleOnly(values, qscheme=scheme, dequant_to_dtype=values.dtype)
 
 
