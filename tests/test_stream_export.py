@@ -208,3 +208,15 @@ def test_q4_0_by_rows_writes_the_whole_tensors_bytes(tmp_path):
     streamed.q4_0_by_rows(values, rows=5).write_in_file(str(blocks), "w", target)
     assert (whole / "w.dat").read_bytes() == (blocks / "w.dat").read_bytes()
     assert len((whole / "w.dat").read_bytes()) > 37 * 96 // 2
+
+
+@pytest.mark.slow
+def test_streamed_moe_fuses_at_real_widths_in_f16(tmp_path):
+    """Qwen3.5-MoE's expert widths (hidden 2048, experts of 512, top-8) in f16: the proof's
+    stand-ins are scaled as trained weights are; unit draws overflowed f16 there and the
+    blocks stayed plain ops (found by bench/bench_checkpoint.py --shapes moe)."""
+    folder = _checkpoint(tmp_path, "qwen3_5_moe", hidden_size=2048, moe_intermediate_size=512,
+                         shared_expert_intermediate_size=512, num_experts=16,
+                         num_experts_per_tok=8, vocab_size=1024)
+    files = export_checkpoint(folder, tmp_path / "wide.nnef.tgz", dtype="f16")
+    assert tract_check.nnef_text(files.main).count("tract_moe_ffn(") == 2

@@ -404,7 +404,11 @@ def _stand_ins():
         if source is None:
             return tensor
         if source.name not in drawn:
-            drawn[source.name] = torch.randn(source.shape, generator=generator).to(tensor.dtype)
+            # scaled as a trained matrix is (1 / sqrt(fan-in)), so that products at real
+            # widths stay O(1): unit draws overflowed f16 in a 256-expert block (no fusion)
+            scale = max(source.shape[-2:]) ** -0.5 if len(source.shape) > 1 else 1.0
+            drawn[source.name] = (torch.randn(source.shape, generator=generator) * scale
+                                  ).to(tensor.dtype)
         return drawn[source.name]
     return value
 
