@@ -224,3 +224,17 @@ def test_moe_block_with_tied_router_rows_is_warned_about(tmp_path, caplog):
         path = gdn_fx.export_nnef(torch.export.export(block, args), tmp_path / "t.nnef.tgz")
     assert "tract_moe_ffn(" in tract_check.nnef_text(path)
     assert "router has 1 repeated rows of 8" in caplog.text
+
+
+def test_near_tie_tokens_are_left_out_of_the_proof_not_the_others():
+    """The MoE proof compares the program and the f32 reference only on tokens whose k-th
+    and next router logits differ by more than the bound: at a near-tie the two may route
+    differently. Tokens routed clearly are all kept."""
+    from gdn_fx.lowering.t2n.moe_ffn import _decided
+
+    wg = torch.eye(4)  # logits = the tokens themselves
+    x = torch.tensor([[4.0, 3.0, 2.0, 1.0],      # top-2 {0, 1}, gap 1 to the third
+                      [4.0, 2.0, 2.0 - 1e-4, 1.0],  # the second and third nearly tie
+                      [4.0, 3.0, 3.0, 1.0]])     # an exact tie
+    assert _decided(x, wg, 2, 5e-3).tolist() == [True, False, False]
+    assert _decided(x, wg, 4, 5e-3).tolist() == [True, True, True]  # k = E: nothing to tie
