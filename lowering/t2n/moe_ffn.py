@@ -413,9 +413,8 @@ def _stand_ins():
     return value
 
 
-def _constants(module: fx.GraphModule, nodes: list, value=streamed.resolve) -> list[Tensor]:
-    """The values of constant ``nodes``, each attribute read as ``value`` of it (by default
-    its real values: a streamed export's placeholders loaded from their source)."""
+def _constants(module: fx.GraphModule, nodes: list, value) -> list[Tensor]:
+    """The values of constant ``nodes``, each attribute read as ``value`` of it."""
     with torch.no_grad():
         return [t.detach() for t in _Valued(_subgraph(module, nodes, None), value).run()]
 
@@ -491,6 +490,7 @@ def prove(module: fx.GraphModule, block: Block) -> tuple[Optional[Proof], str]:
     routers = _router_candidates(module, block, up_w.shape[0])
     weights = dict(zip(routers, _constants(module, routers, value))) if routers else {}
     draws = _draws(block)
+    rows = sum(x.numel() // x.shape[-1] for x in draws)
     for out in _outputs_after(block):
         wants = _region_runs(module, block, out, draws, value)
         for router, gate, reading in ((r, g, o) for r in weights for g in GATES
@@ -498,7 +498,6 @@ def prove(module: fx.GraphModule, block: Block) -> tuple[Optional[Proof], str]:
             (w1, w3), w2 = _up_halves(up_w, reading[0]), _down(down_w, reading[1])
             agreed = [_agreeing_rows(x, want, (weights[router], w1, w2, w3), block.k, gate,
                                      bound) for x, want in zip(draws, wants)]
-            rows = sum(x.numel() // x.shape[-1] for x in draws)
             if None not in agreed and 2 * sum(agreed) >= rows:
                 like = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
                         for name, t in zip(("wg", "w1", "w2", "w3"),
