@@ -8,7 +8,11 @@ a reference. This module is what they share:
 - ``evaluable`` / ``copy_constant``: the values a region computes from literals alone, and
   how they are copied into the cut-out graph;
 - ``covering_points``: the extra points a region needs when it holds an operation whose
-  result switches on data values.
+  result switches on data values;
+- ``Sampler``: a region's points (drawn inputs and its float64 outputs there, the covering
+  ones included), and ``Verdict``: what every rule decides, the layout that fits or the
+  nearest and its errors. A rule brings only its region, its draws, its reference and its
+  layouts.
 
 Why the last one: an operation such as clamp, where, maximum, relu, abs, sign or a
 comparison computes one function on one side of a threshold and another on the other side.
@@ -28,7 +32,8 @@ its nodes.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
@@ -47,6 +52,80 @@ SEEDS = {"step": 1201, "chunk": 1515, "conv": 1501}
 # two entries drawn positive crosses clamp(min=-5) only when flipped).
 LADDER = (-1.0,) + tuple(sign * 4.0 ** (s * i) for i in range(1, 13) for s in (1, -1)
                          if s * i <= 8 for sign in (1, -1))
+
+
+@dataclass
+class Verdict:
+    """What a meaning rule decided of a region: the layout under which it computes the op
+    (``layout``, with its measured output scale), else the ``nearest`` one and how far off
+    it is (worst relative errors over the points, float64) and why (``reason``: slips
+    named, switches). ``region``: the rule's record of what it cut; ``partial``: the
+    nearest agrees on part of the region (a chunked region's first positions)."""
+
+    layout: Any = None
+    out_error: float = float("inf")
+    state_error: float = float("inf")
+    nearest: Any = None
+    reason: str = ""
+    region: Any = None
+    partial: bool = False
+
+    @property
+    def error(self) -> float:
+        return self.out_error + self.state_error
+
+    def off_by(self, state: str = "new state") -> str:
+        """The nearest miss's distance, in words."""
+        return (f"the nearest differs by {self.out_error:.2g} in the output and "
+                f"{self.state_error:.2g} in the {state} (relative, float64)")
+
+
+def nearest(verdicts) -> Verdict:
+    """The first verdict that fits, else the least wrong (the first of equals); the
+    verdicts are made one at a time, none after a fit."""
+    best = None
+    for verdict in verdicts:
+        if verdict.layout is not None:
+            return verdict
+        if best is None or verdict.error < best.error:
+            best = verdict
+    return best or Verdict()
+
+
+class Sampler:
+    """The points a region is scored at: inputs drawn by ``draw(gen)`` (the rule's seeded
+    generator) and the region's float64 outputs there (run on copies: the inputs stay as
+    drawn); ``points`` adds the ones that reach both sides of its switches."""
+
+    def __init__(self, owner: torch.nn.Module, graph: fx.Graph, draw: Callable, rule: str):
+        self.owner, self.graph, self.draw, self.gen = owner, graph, draw, seeded(rule)
+        self.switches = switches(graph)
+
+    def point(self) -> tuple:
+        inputs = self.draw(self.gen)
+        return inputs, Float64(self.owner, graph=self.graph).run(*[x.clone() for x in inputs])
+
+    def points(self, count: int = POINTS) -> list:
+        """``count`` drawn points and the covering ones (NoMatch as ``covering_points``)."""
+        drawn = [self.point() for _ in range(count)]
+        return drawn + covering_points(self.owner, self.graph, drawn[0][0], self.switches)
+
+    def named(self, reason: str = "") -> str:
+        """``reason`` with what the region's switches add to a near-miss."""
+        return "; ".join(filter(None, (reason, named(self.switches))))
+
+
+def fitted_scale(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The c that makes c * ref nearest ``got`` (least squares): an output scaled by a
+    constant (q's 1/sqrt(Dk) folded in) is the op's with that scale."""
+    return (got * ref).sum().item() / max((ref * ref).sum().item(), 1e-300)
+
+
+def one_scale(scales: list, tolerance: float = TOLERANCE) -> bool:
+    """Whether every point gave the same, nonzero scale (a constant, not a function of the
+    inputs)."""
+    return scales[0] != 0 and \
+        abs(scales[0] - scales[-1]) <= tolerance * max(abs(scales[0]), 1e-30)
 
 
 class Float64(fx.Interpreter):

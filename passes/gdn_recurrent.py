@@ -32,7 +32,8 @@ from gdn_fx.passes.program import fake_mode_of, is_pure, mutates, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
-from gdn_fx.passes.step_meaning import Outcome, decide
+from gdn_fx.passes.evaluator import Verdict
+from gdn_fx.passes.step_meaning import decide
 
 NAME = "gated_delta_scan"
 LOOP_LIKE = 3  # a loop reading this many tensors position by position gets a near-miss
@@ -193,21 +194,21 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
         if step is None:
             continue
         try:
-            outcome = decide(step, final, loop.groups, layout, search=layout is None)
+            verdict = decide(step, final, loop.groups, layout, search=layout is None)
         except NoMatch:  # e.g. a copy into the input state: reads what the loop does not
             continue
-        if outcome.layout is not None:
-            passing.append((step, outcome))
+        if verdict.layout is not None:
+            passing.append((step, verdict))
             if final is not None and any(u not in step.body for u in final.users):
                 chosen = passing[-1]  # the state the program reads after the loop
                 break
     if not passing:
         raise _nearest_miss(last, candidates, loop, t, tags, cluster, order)
-    step, outcome = chosen or passing[0]
+    step, verdict = chosen or passing[0]
     if layout is not None:
-        _same_layout(step, outcome.layout, layout)
+        _same_layout(step, verdict.layout, layout)
     loop.steps[-1] = step
-    return step, outcome.layout
+    return step, verdict.layout
 
 
 def _read_after(user: fx.Node, tags: dict) -> bool:
@@ -233,27 +234,20 @@ def _nearest_miss(last: Step, candidates: list, loop: Loop, t, tags, cluster, or
         if step is None:
             continue
         try:
-            outcome = decide(step, final, loop.groups)
+            verdict = decide(step, final, loop.groups)
         except NoMatch as err:
             first_error = first_error or err
             continue
-        if nearest is None or (outcome.state_error, outcome.out_error) < (
-                nearest[1].state_error, nearest[1].out_error):
-            nearest = (step, outcome)
+        if nearest is None or verdict.error < nearest[1].error:
+            nearest = (step, verdict)
     if nearest is not None:
         return NoMatch(_not_delta(*nearest), node=last.out, step=t)
     return first_error or NoMatch(f"step {t} reads from other steps than the one before",
                                   node=last.out, step=t)
 
 
-def _not_delta(step: Step, outcome: Outcome) -> str:
-    if outcome.hint:
-        text = f"step {step.t} is not the delta rule: {outcome.hint}"
-    else:
-        text = (f"step {step.t} is not the delta rule under any layout its shapes allow: the "
-                f"nearest differs by {outcome.state_error:.2g} in the new state and "
-                f"{outcome.out_error:.2g} in the output (relative, float64)")
-    return f"{text}; {outcome.switches}" if outcome.switches else text
+def _not_delta(step: Step, verdict: Verdict) -> str:
+    return f"step {step.t} is not the delta rule: {verdict.reason}"
 
 
 def _check_steps(loop: Loop):
@@ -268,12 +262,12 @@ def _check_steps(loop: Loop):
         if t + 1 < len(steps) - 1 and (t > 0 or _same_meta(step.state_in, steps[1].state_in)) \
                 and _same_step(step, steps[t + 1]):
             continue
-        outcome = decide(step, step.state_out, loop.groups, layout)
-        if outcome.layout is None:
-            raise NoMatch(_not_delta(step, outcome), node=step.out, step=t)
+        verdict = decide(step, step.state_out, loop.groups, layout)
+        if verdict.layout is None:
+            raise NoMatch(_not_delta(step, verdict), node=step.out, step=t)
         if layout is None:
-            layout = outcome.layout
-        _same_layout(step, outcome.layout, layout)
+            layout = verdict.layout
+        _same_layout(step, verdict.layout, layout)
     return layout
 
 

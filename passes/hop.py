@@ -146,13 +146,11 @@ def _step_of(body: fx.GraphModule, state: fx.Node, xs: list):
 def _scan_fusion(graph: fx.Graph, node: fx.Node, order: dict):
     body, state, xs, final, ys = _scan_parts(graph, node)
     step, new_state, groups = _step_of(body, state, xs)
-    outcome = decide(step, new_state, groups)
-    if outcome.layout is None:
-        hint = outcome.hint or (f"the nearest layout differs by {outcome.state_error:.2g} in "
-                                f"the new state and {outcome.out_error:.2g} in the output")
-        raise NoMatch(f"its body is not one delta-rule step ({hint})", node=node)
+    verdict = decide(step, new_state, groups)
+    if verdict.layout is None:
+        raise NoMatch(f"its body is not one delta-rule step ({verdict.reason})", node=node)
     length = shape(ys)[0]
-    plan = plan_operands(outcome.layout, [(x, 0) for x in xs], state, shape(ys), 0, length)
+    plan = plan_operands(verdict.layout, [(x, 0) for x in xs], state, shape(ys), 0, length)
     region = ScanRegion({node} | set(node.users), ys, 0, final, node,
                         out_steps=plan.out_steps, final_steps=plan.final_steps)
     check_dtypes(region, plan.operands)

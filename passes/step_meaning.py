@@ -16,36 +16,24 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import fx
 
-from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Float64, copy_constant, seeded,
-                                     covering_points, evaluable, named, rel, switches)
+from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Sampler, Verdict, copy_constant,
+                                     evaluable, fitted_scale, nearest, one_scale, rel)
 from gdn_fx.reference import l2norm
 from gdn_fx.passes.layouts import ROLE_SETS, Layout, group_features, group_heads
 from gdn_fx.passes.loops import time_read
-from gdn_fx.passes.program import shape, val
+from gdn_fx.passes.program import shape
 from gdn_fx.passes.result import NoMatch
 
 # The screen of a layout search (a subset of the heads) passes what is within this of the
 # rule; relative to the subset's own largest value, which may be smaller than the whole
 # tensor's, so looser than TOLERANCE: the screen must not drop a layout that fits.
 SCREEN = 1e-6
-
-
-@dataclass
-class Outcome:
-    """The matching layout, or the nearest miss and its errors."""
-
-    layout: Optional[Layout]
-    state_error: float = float("inf")
-    out_error: float = float("inf")
-    hint: str = ""
-    nearest: Optional[Layout] = None  # the layout closest to the body, when none fits
-    switches: str = ""  # the body's operations that switch on data values, when none fits
 
 
 def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.Graph:
@@ -74,100 +62,86 @@ def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.Graph:
     return graph
 
 
-def _draw(like, gen: torch.Generator) -> torch.Tensor:
-    """Uniform in [-1, 1]: both signs, so a clamp, an abs or a missing exp shows. Drawn in
-    float32 (half the generator's work), exact in float64."""
-    return (torch.rand(tuple(like.shape), generator=gen) * 2 - 1).double()
-
-
 def decide(step, final: Optional[fx.Node], groups: list,
-           expect: Optional[Layout] = None, search: bool = True) -> Outcome:
+           expect: Optional[Layout] = None, search: bool = True) -> Verdict:
     """The layout under which ``step`` (with ``final`` as its new state) is the delta rule.
 
     ``expect`` (the layout of the steps around it) is tried first; the others only when it
     does not fit and ``search`` (to find the nearest, for the near-miss)."""
     graph = body_graph(step, final, groups)  # run as it is: a GraphModule would compile it
     owner = step.state_in.graph.owning_module or torch.nn.Module()
-    state = val(step.state_in)
-    reads = [_read_shape(g) for g in groups]
+    shapes = [list(shape(step.state_in))] + [_read_shape(g) for g in groups]
     candidates = list(layouts_for(shape(step.state_in), groups, shape(step.out)))
     if not candidates:
         raise NoMatch(f"step {step.t} reads {len(groups)} tensors position by position ("
-                      f"{_describe(groups)}) beside a state {list(state.shape)}; no layout of "
+                      f"{_describe(groups)}) beside a state {shapes[0]}; no layout of "
                       "q, k, v, gate, beta fits those shapes", node=step.out, step=step.t)
-    gen = seeded("step")
-
-    def point():
-        s0 = _draw(state, gen)
-        ins = [_draw(torch.empty(dims), gen) for dims in reads]
-        return s0, ins, Float64(owner, graph=graph).run(s0.clone(), *[x.clone() for x in ins])
-
-    points = [point()]
-    # points that reach both sides of each clamp, where, comparison... (evaluator.py)
-    found = switches(graph)
-    points += [(ins[0], ins[1:], got) for ins, got in
-               covering_points(owner, graph, [points[0][0], *points[0][1]], found)]
-    outcome = _decide_at(points, point, candidates, final, expect, search)
-    if outcome.layout is None:
-        outcome.switches = named(found)
-    return outcome
+    # uniform in [-1, 1]: both signs, so a clamp, an abs or a missing exp shows (drawn in
+    # float32, half the generator's work, exact in float64)
+    sampler = Sampler(owner, graph, lambda gen: [
+        (torch.rand(dims, generator=gen) * 2 - 1).double() for dims in shapes], "step")
+    points = sampler.points(1)
+    verdict = _decide_at(points, sampler, candidates, final is not None, expect, search)
+    if verdict.layout is None:
+        verdict.reason = sampler.named(verdict.reason or "under no layout its shapes allow: "
+                                       f"{verdict.off_by()}")
+    return verdict
 
 
-def _decide_at(points: list, point, candidates: list, final, expect, search) -> Outcome:
-    """``decide`` once the first points are drawn (``point`` draws more)."""
+def _decide_at(points: list, sampler: Sampler, candidates: list, with_state: bool, expect,
+               search) -> Verdict:
+    """``decide`` once the first points are drawn (``sampler`` draws more)."""
     if expect is not None:  # one point: the scale must come out as the expected one
-        outcome = _score(replace(expect, scale=1.0), points, final is not None)
-        fits = outcome.layout is not None and \
-            abs(outcome.layout.scale - expect.scale) <= TOLERANCE * abs(expect.scale)
+        verdict = _score(replace(expect, scale=1.0), points, with_state)
+        fits = verdict.layout is not None and \
+            abs(verdict.layout.scale - expect.scale) <= TOLERANCE * abs(expect.scale)
         if fits or not search:
-            return outcome if fits else Outcome(None, outcome.state_error, max(
-                outcome.out_error, TOLERANCE * 2), nearest=expect)
-    points += [point() for _ in range(POINTS - 1)]
+            return verdict if fits else Verdict(None, max(verdict.out_error, TOLERANCE * 2),
+                                                verdict.state_error, nearest=expect)
+    points += [sampler.point() for _ in range(POINTS - 1)]
     # q and k normalized inside the step (the op's own qk_l2norm), tried when nothing else fits
     normed = [replace(lay, qk_l2norm=True) for lay in candidates if "kb" not in lay.roles]
-    best, state_fits = Outcome(None), []
+    verdicts = []
     for pool in (candidates, normed):
-        found = _screened_search(pool, points, final is not None)
+        found = _screened_search(pool, points, with_state)
         if found is not None:
             return found
         for layout in pool:
-            outcome = _score(layout, points, final is not None)
-            if outcome.layout is not None:
-                return outcome
-            if (outcome.state_error, outcome.out_error) < (best.state_error, best.out_error):
-                best = outcome
-            if final is not None and outcome.state_error <= TOLERANCE:
-                state_fits.append(layout)
-    best.hint = _hint(state_fits, points)
+            verdicts.append(_score(layout, points, with_state))
+            if verdicts[-1].layout is not None:
+                return verdicts[-1]
+    best = nearest(verdicts)
+    best.reason = _hint([v.nearest for v in verdicts if with_state and
+                         v.state_error <= TOLERANCE], points)
     return best
 
 
-def _screened_search(candidates: list, points, with_state: bool) -> Optional[Outcome]:
+def _screened_search(candidates: list, points, with_state: bool) -> Optional[Verdict]:
     """The first candidate that fits, found by screening every candidate on the first and
     last entry of each batch axis (heads included: a Qwen3.5-sized step has 16, and the
     search scores ~25 layouts) and proving the ones that pass on the whole tensors, as the
     full search does. The screen only decides the order of the work: a layout is accepted
     by the same whole-tensor score at the same tolerance. None when no candidate passes
     both (the full search then runs and finds the nearest, for the near-miss)."""
-    batch = points[0][0].shape[:-2]
+    batch = points[0][0][0].shape[:-2]
     if math.prod(batch) <= 2:  # nothing to save
         return None
     screen = [_entries(point, batch) for point in points]
     for layout in candidates:
         if _score(layout, screen, with_state, SCREEN).layout is None:
             continue
-        outcome = _score(layout, points, with_state)
-        if outcome.layout is not None:
-            return outcome
+        verdict = _score(layout, points, with_state)
+        if verdict.layout is not None:
+            return verdict
     return None
 
 
 def _entries(point, batch):
-    """A point (s0, reads, (S', o)) at the first and last entry of each batch axis. A read
-    and S' lead with the state's batch axes; o is laid out as [*batch, Dv] (``_score``
+    """A point ([s0, *reads], (S', o)) at the first and last entry of each batch axis. A
+    read and S' lead with the state's batch axes; o is laid out as [*batch, Dv] (``_score``
     reshapes it so). q and k on fewer heads (GQA) are taken at their own first and last
     head: value heads 0 and H - 1 read those, grouped or tiled."""
-    s0, ins, (s_got, o_got) = point
+    inputs, (s_got, o_got) = point
 
     def some(x):
         for axis in range(len(batch)):
@@ -175,8 +149,7 @@ def _entries(point, batch):
         return x
 
     o_flat = o_got.reshape(*batch, -1) if o_got.numel() % math.prod(batch) == 0 else None
-    return (some(s0), [some(x) for x in ins],
-            (some(s_got) if s_got is not None else None,
+    return ([some(x) for x in inputs], (some(s_got) if s_got is not None else None,
              some(o_flat) if o_flat is not None else o_got))
 
 
@@ -267,31 +240,30 @@ def _per_value_head(read: torch.Tensor, features: bool, layout: Layout, batch):
     return read.index_select(len(batch) - 1, index)
 
 
-def _score(layout: Layout, points, with_state: bool, tolerance: float = TOLERANCE) -> Outcome:
+def _score(layout: Layout, points, with_state: bool, tolerance: float = TOLERANCE) -> Verdict:
     worst_s, worst_o, scales = 0.0, 0.0, []
-    for s0, ins, (s_got, o_got) in points:
+    for (s0, *ins), (s_got, o_got) in points:
         s_ref, o_ref, _, _ = reference_step(layout, s0, ins)
         if with_state:
             worst_s = max(worst_s, rel(s_got, s_ref))
             if worst_s > 1e-3:  # far off: the output would not make it fit
-                return Outcome(None, worst_s, float("inf"), nearest=layout)
-        o_got = o_got.reshape(o_ref.shape) if o_got.numel() == o_ref.numel() else None
-        if o_got is None:
-            return Outcome(None, worst_s, float("inf"), nearest=layout)
-        c = (o_got * o_ref).sum().item() / max((o_ref * o_ref).sum().item(), 1e-300)
-        scales.append(c)
-        worst_o = max(worst_o, rel(o_got, c * o_ref))
-    if abs(scales[0] - scales[-1]) > tolerance * max(abs(scales[0]), 1e-30) or scales[0] == 0:
+                return Verdict(None, float("inf"), worst_s, nearest=layout)
+        if o_got.numel() != o_ref.numel():
+            return Verdict(None, float("inf"), worst_s, nearest=layout)
+        o_got = o_got.reshape(o_ref.shape)
+        scales.append(fitted_scale(o_got, o_ref))
+        worst_o = max(worst_o, rel(o_got, scales[-1] * o_ref))
+    if not one_scale(scales, tolerance):
         worst_o = max(worst_o, 1.0)
     if worst_s <= tolerance and worst_o <= tolerance:
-        return Outcome(layout.with_scale(scales[0]), worst_s, worst_o)
-    return Outcome(None, worst_s, worst_o, nearest=layout)
+        return Verdict(layout.with_scale(scales[0]), worst_o, worst_s)
+    return Verdict(None, worst_o, worst_s, nearest=layout)
 
 
 def _hint(state_fits: list, points) -> str:
     """Name the slip when, under a layout whose new state is right, the output is the readout
     of the state before the update (as received, or decayed)."""
-    s0, ins, (_, o_got) = points[0]
+    (s0, *ins), (_, o_got) = points[0]
     for layout in state_fits:
         _, _, s_in, x = reference_step(layout, s0, ins)
         for before in (s_in, x["decayed"]):
@@ -299,7 +271,6 @@ def _hint(state_fits: list, points) -> str:
             if o_got.numel() != readout.numel():
                 continue
             got = o_got.reshape(readout.shape)
-            c = (got * readout).sum().item() / max((readout * readout).sum().item(), 1e-300)
-            if rel(got, c * readout) <= 1e-6:
+            if rel(got, fitted_scale(got, readout) * readout) <= 1e-6:
                 return "the readout reads the state before the update, expected after"
     return ""
