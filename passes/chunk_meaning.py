@@ -45,8 +45,8 @@ from gdn_fx.passes.program import (ASSERT_META, base_of, dtype, fake_mode_of, is
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
-from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Float64, copy_constant, seeded,
-                                     covering_points, evaluable, named, rel, switches)
+from gdn_fx.passes.evaluator import (TOLERANCE, Sampler, Verdict, copy_constant, evaluable,
+                                     fitted_scale, one_scale, rel)
 from gdn_fx.passes.step_meaning import layouts_for, reference_step
 
 NAME = "gated_delta_scan"
@@ -128,17 +128,6 @@ class Fit:
     layouts: list
 
 
-@dataclass
-class Verdict:
-    cut: Optional[Cut] = None
-    fit: Optional[Fit] = None
-    layout: Optional[Layout] = None
-    out_error: float = float("inf")
-    state_error: float = float("inf")
-    where: str = ""
-    prefix_agrees: bool = False  # some layout reproduces the first positions
-
-
 # --- the rule ------------------------------------------------------------------------------
 
 class ChunkMeaningRule:
@@ -179,8 +168,9 @@ def plan_chunks_by_meaning(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
                                node=anchor.name))
             continue
         # an earlier region's output may be this one's operand; its other nodes are gone
-        claimed = taken - {v.cut.value for v in proven} - {v.cut.final for v in proven}
-        taken = taken | verdict.cut.nodes
+        cuts = [v.region[0] for v in proven]
+        claimed = taken - {c.value for c in cuts} - {c.final for c in cuts}
+        taken = taken | verdict.region[0].nodes
         proven.append(verdict)
         try:
             mode = mode or fake_mode_of(graph)
@@ -228,7 +218,7 @@ def _shaped_length(anchor: fx.Node, facts: Facts) -> Optional[int]:
 
 def _plan(verdict: Verdict, anchor: fx.Node, order: dict, mode, taken: set):
     """The fusion of a proven region; ``taken``: the nodes earlier fusions drop."""
-    cut, fit, layout = verdict.cut, verdict.fit, verdict.layout
+    (cut, fit), layout = verdict.region, verdict.layout
     region = ScanRegion(cut.nodes, cut.value, fit.value_axis, cut.final, anchor)
     state = fit.state if fit.state is not None else fit.groups[layout.roles["k"]][0]
     plan = plan_operands(layout, fit.groups, state, shape(cut.value), fit.value_axis,
@@ -330,7 +320,7 @@ def _viewed(node: fx.Node, source: fx.Node) -> bool:
 def _closer(a: Verdict, b: Verdict) -> bool:
     """Nearer: agrees on the first positions where ``b`` does not (else the first one tried,
     the widest, is the one a near-miss describes)."""
-    return a.prefix_agrees and not b.prefix_agrees
+    return a.partial and not b.partial
 
 
 def _end_candidates(anchor: fx.Node, facts: Facts):
@@ -409,7 +399,7 @@ def _decide_cut(cut: Cut, fits: list, facts: Facts) -> Verdict:
     problem = _leak(cut, facts)
     nearest = None
     for fit in fits:
-        verdict = Verdict(cut, fit, where=problem) if problem else \
+        verdict = Verdict(reason=problem, region=(cut, fit)) if problem else \
             _evaluate(cut, fit, facts.order)
         if verdict.layout is not None:
             return verdict
@@ -587,44 +577,39 @@ def _draw(dims, gen: torch.Generator) -> torch.Tensor:
 def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
     low = [n for n in cut.nodes if dtype(n) in LOW_FLOATS]
     if low:  # float64 cannot see a rounding to f16/bf16 inside the region
-        return Verdict(cut, fit, where=f"the region computes {low[0].name} in {dtype(low[0])}; "
-                                      "by meaning only in f32 or f64")
-    graph = cut_out(cut, order)
+        return Verdict(reason=f"the region computes {low[0].name} in {dtype(low[0])}; by "
+                              "meaning only in f32 or f64", region=(cut, fit))
     owner = cut.value.graph.owning_module or torch.nn.Module()
-    gen = seeded("chunk")
-    points = []
-    for _ in range(POINTS):
-        ins = [_draw(shape(n), gen) for n in cut.inputs]
-        try:
-            got = Float64(owner, graph=graph).run(*[x.clone() for x in ins])
-        except Exception as error:  # noqa: BLE001 (a region that does not run on its own)
-            return Verdict(cut, fit, where=f"the region does not run on its own: {error}")
-        points.append((ins, got))
-    found = switches(graph)
-    try:  # points that reach both sides of each clamp, where, comparison... (evaluator.py)
-        points += covering_points(owner, graph, points[0][0], found)
+    sampler = Sampler(owner, cut_out(cut, order),
+                      lambda gen: [_draw(shape(n), gen) for n in cut.inputs], "chunk")
+    try:  # with points that reach both sides of each clamp, where... (evaluator.py)
+        points = sampler.points()
     except NoMatch as miss:
-        return Verdict(cut, fit, where=miss.reason)
+        return Verdict(reason=miss.reason, region=(cut, fit))
+    except Exception as error:  # noqa: BLE001 (a region that does not run on its own)
+        return Verdict(reason=f"the region does not run on its own: {error}",
+                       region=(cut, fit))
     # a switch may act on any entry: the rule is then run for every head, not two
-    prefix, prepared, every = [], {}, bool(found)
+    prefix, prepared, every = [], {}, bool(sampler.switches)
     for i, layout in enumerate(fit.layouts):
         error, _, scale, _ = _score(layout, fit, cut, points, PREFIX, explain=False,
                                     prepared=prepared, every=every)
         prefix.append((error, i, layout, scale))
     prefix.sort(key=lambda item: item[:2])
     survivors = [(lay, c) for error, _, lay, c in prefix if error <= TOLERANCE]
-    best = Verdict(cut, fit, prefix_agrees=bool(survivors))
+    best = Verdict(region=(cut, fit), partial=bool(survivors))
     # the others along the whole sequence, at the scale the first positions gave
     for layout, c in survivors or [prefix[0][2:]]:
         out_error, state_error, scale, where = _score(layout, fit, cut, points, fit.length,
                                                       scale=c, prepared=prepared,
                                                       every=every)
         if out_error <= TOLERANCE and state_error <= TOLERANCE:
-            return Verdict(cut, fit, layout.with_scale(scale), out_error, state_error)
-        if out_error + state_error < best.out_error + best.state_error:
-            best = Verdict(cut, fit, None, out_error, state_error, where, bool(survivors))
-    if found:
-        best.where = "; ".join(filter(None, (best.where, named(found))))
+            return Verdict(layout.with_scale(scale), out_error, state_error,
+                           region=(cut, fit))
+        if out_error + state_error < best.error:
+            best = Verdict(None, out_error, state_error, layout, where, (cut, fit),
+                           bool(survivors))
+    best.reason = sampler.named(best.reason)
     return best
 
 
@@ -692,19 +677,16 @@ def _errors(refs, gots, finals, points, fit: Fit, entries, steps: int, scale, ch
     for i, (got, (_, (_, final))) in enumerate(zip(gots, points)):
         ref = refs[:, i]
         got = got.reshape(ref.shape)
-        c = scale if scale is not None else \
-            (got * ref).sum().item() / max((ref * ref).sum().item(), 1e-300)
+        c = scale if scale is not None else fitted_scale(got, ref)
         scales.append(c)
-        error = (got - c * ref).abs()
-        o_error = error.max().item() / max(ref.abs().max().item() * abs(c), 1e-30)
-        worst_o = max(worst_o, o_error if math.isfinite(o_error) else float("inf"))
+        worst_o = max(worst_o, rel(got, c * ref))
         if chunk is not None and not where and worst_o > TOLERANCE:
-            where = _first_wrong(error, ref, c, chunk)
+            where = _first_wrong((got - c * ref).abs(), ref, c, chunk)
         if steps == fit.length and final is not None:
             batch, heads, every = entries
             worst_s = max(worst_s, rel(_some(final.reshape(fit.state_shape), batch, heads,
                                              every=every), finals[i]))
-    if abs(scales[0] - scales[-1]) > TOLERANCE * max(abs(scales[0]), 1e-30) or scales[0] == 0:
+    if not one_scale(scales):
         worst_o = max(worst_o, 1.0)
     return worst_o, worst_s, scales[0], where
 
@@ -756,12 +738,10 @@ def _chunk_size(cut: Cut) -> int:
 
 
 def _not_delta(verdict: Verdict) -> str:
-    if verdict.out_error == float("inf") and verdict.where:
-        return verdict.where
-    text = (f"the region from {', '.join(n.name for n in verdict.cut.inputs)} is not the "
-            f"delta rule under any layout its shapes allow: the nearest differs by "
-            f"{verdict.out_error:.2g} in the output")
-    if verdict.cut.final is not None:
-        text += f" and {verdict.state_error:.2g} in the final state"
-    text += " (relative, float64)"
-    return text + (f"; {verdict.where}" if verdict.where else "")
+    cut = verdict.region[0]
+    if verdict.out_error == float("inf") and verdict.reason:
+        return verdict.reason
+    text = (f"the region from {', '.join(n.name for n in cut.inputs)} is not the delta rule "
+            "under any layout its shapes allow: "
+            f"{verdict.off_by('final state' if cut.final is not None else None)}")
+    return text + (f"; {verdict.reason}" if verdict.reason else "")

@@ -74,10 +74,13 @@ class Verdict:
     def error(self) -> float:
         return self.out_error + self.state_error
 
-    def off_by(self, state: str = "new state") -> str:
-        """The nearest miss's distance, in words."""
-        return (f"the nearest differs by {self.out_error:.2g} in the output and "
-                f"{self.state_error:.2g} in the {state} (relative, float64)")
+    def off_by(self, state: Optional[str] = "new state") -> str:
+        """The nearest miss's distance, in words (``state``: what the state output is
+        called; None for a region that hands out none)."""
+        text = f"the nearest differs by {self.out_error:.2g} in the output"
+        if state is not None:
+            text += f" and {self.state_error:.2g} in the {state}"
+        return text + " (relative, float64)"
 
 
 def nearest(verdicts) -> Verdict:
