@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -41,8 +41,8 @@ from gdn_fx.passes.program import (ASSERT_META, add_node, base_of, dtype, fake_m
                                    is_mutation, shape)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
-from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Float64, copy_constant, seeded,
-                                     covering_points, evaluable, named, rel, switches)
+from gdn_fx.passes.evaluator import (TOLERANCE, Sampler, Verdict, copy_constant, evaluable,
+                                     nearest, rel)
 
 NAME = "causal_conv1d_update"
 CONV_OP = torch.ops.gdn_fx.causal_conv1d_update.default
@@ -62,6 +62,7 @@ class Layout:
     out: str  # "bct" | "btc" | "bc"
     bias: bool
     activation: Optional[str]
+    exits: dict = field(default_factory=dict)  # exit -> ("state", "cw"/"wc") | ("out", l)
 
 
 @dataclass
@@ -79,15 +80,6 @@ class Region:
     state_written: bool  # the region writes S in place
     width: int  # W
     kernel: int
-
-
-@dataclass
-class Verdict:
-    region: Optional[Region] = None
-    layout: Optional[Layout] = None
-    exit_roles: dict = field(default_factory=dict)  # exit -> ("state", "cw"/"wc") | ("out", l)
-    error: float = float("inf")
-    reason: str = ""
 
 
 # --- finding candidates ------------------------------------------------------------------
@@ -364,43 +356,35 @@ def decide(region: Region) -> Verdict:
     """The layout under which the region is the update, or the nearest miss."""
     module = cut_out(region)
     channels, kernel = shape(region.weight)[0], region.kernel
-    gen = seeded("conv")
-    draws = []
-    for _ in range(POINTS):
+
+    def draw(gen):
         args = [torch.rand(shape(n), generator=gen, dtype=torch.float64) * 2 - 1
                 for n in (region.x, region.state, region.weight)]
         if region.bias is not None:
             args.append(torch.rand(shape(region.bias), generator=gen, dtype=torch.float64) - .5)
-        before = [a.clone() for a in args]
-        try:
-            got = Float64(module).run(*[a.clone() if i != 1 else a for i, a in enumerate(args)])
-        except Exception as error:  # noqa: BLE001 (a region that does not run is no update)
-            return Verdict(region, reason=f"the region does not run on its own: {error}")
-        draws.append((before, got))
-    found = switches(module.graph)
-    try:  # points that reach both sides of each clamp, where, comparison... (evaluator.py)
-        draws += covering_points(module, module.graph, draws[0][0], found)
+        return args
+
+    sampler = Sampler(module, module.graph, draw, "conv")
+    try:  # with points that reach both sides of each clamp, where... (evaluator.py)
+        points = sampler.points()
     except NoMatch as miss:
-        return Verdict(region, reason=miss.reason)
+        return Verdict(reason=miss.reason, region=region)
+    except Exception as error:  # noqa: BLE001 (a region that does not run is no update)
+        return Verdict(reason=f"the region does not run on its own: {error}", region=region)
     x_kinds = _layouts(shape(region.x), channels, ("bct", "btc", "bc"))
     s_kinds = [k for k in _layouts(shape(region.state), channels, ("cw", "wc"))
                if shape(region.state)[2 if k == "cw" else 1] in (kernel - 1, kernel)]
     o_kinds = _layouts(shape(region.out), channels, ("bct", "btc", "bc"))
-    best = Verdict(None, reason="no layout of x, state and output fits their shapes")
     biases = (True, False) if region.bias is not None else (False,)
-    for xl, sl, ol, bias, act in itertools.product(x_kinds, s_kinds, o_kinds, biases,
-                                                   (None, "silu")):
-        seq = _seq(shape(region.x), xl)
-        if _seq(shape(region.out), ol) != seq or shape(region.x)[0] != shape(region.state)[0]:
-            continue
-        layout = Layout(xl, sl, ol, bias, act)
-        verdict = _score(region, layout, draws)
-        if verdict.layout is not None:
-            return verdict
-        if verdict.error < best.error:
-            best = verdict
-    if found:
-        best.reason = f"{best.reason}; {named(found)}"
+    layouts = [Layout(xl, sl, ol, bias, act) for xl, sl, ol, bias, act in itertools.product(
+        x_kinds, s_kinds, o_kinds, biases, (None, "silu"))
+        if _seq(shape(region.out), ol) == _seq(shape(region.x), xl)
+        and shape(region.x)[0] == shape(region.state)[0]]
+    best = nearest(_score(region, layout, points) for layout in layouts)
+    if best.region is None:
+        return Verdict(reason="no layout of x, state and output fits their shapes")
+    if best.layout is None:
+        best.reason = sampler.named(best.reason)
     return best
 
 
@@ -432,14 +416,13 @@ def _score(region: Region, layout: Layout, draws) -> Verdict:
                 roles[node] = role
     if not region.state_written and not any(r[0] == "state" for r in roles.values()) \
             and worst_state <= TOLERANCE:
-        return Verdict(region, error=worst_out + 1.0,
+        return Verdict(None, worst_out + 1.0, 0.0, layout, region=region,
                        reason=f"the region reads state {region.state.name} but writes no new "
                               "state")
-    error = worst_out + worst_state
     if worst_out <= TOLERANCE and worst_state <= TOLERANCE:
-        return Verdict(region, layout, roles, error)
-    return Verdict(region, error=error, reason=_explain(region, layout, worst_out, worst_state,
-                                                        detail))
+        return Verdict(replace(layout, exits=roles), worst_out, worst_state, region=region)
+    return Verdict(None, worst_out, worst_state, layout, region=region,
+                   reason=_explain(region, layout, worst_out, worst_state, detail))
 
 
 def _exit_role(value, want_out, new_first, layout):
@@ -490,12 +473,6 @@ def _explain(region, layout, worst_out, worst_state, detail) -> str:
 
 # --- the rule ------------------------------------------------------------------------------
 
-@dataclass
-class Found:
-    verdict: Verdict
-    key: str
-
-
 def find_updates(graph: fx.Graph, claimed: frozenset = frozenset()) -> tuple[list, list]:
     """(proven regions, near-misses with the region's nodes) for every unfused weight
     (``claimed``: convs the structural rule plans to fuse)."""
@@ -503,50 +480,59 @@ def find_updates(graph: fx.Graph, claimed: frozenset = frozenset()) -> tuple[lis
     proven, misses, taken = [], [], set()
     for weight in weight_seeds(graph, claimed):
         channels, kernel = shape(weight)[0], shape(weight)[-1]
-        nearest = None
-        done = False
+        found, closest = None, None
         for out in _out_candidates(weight, order, channels):
             if out in taken:
                 continue
             for state in _state_candidates(out, weight, order, channels, kernel):
-                try:
-                    region = build_region(out, state, weight, order)
-                    if taken & set(region.nodes):
-                        continue
-                    verdict = decide(region)
-                    if verdict.layout is not None:
-                        try:
-                            _check_placement(region, order)
-                        except NoMatch as err:
-                            err.decided = True
-                            raise
-                except NoMatch as err:  # not shaped like an update: silent unless decided
-                    verdict = Verdict(None, error=float("inf"), reason=err.reason)
-                    verdict.node = err.node
-                    if not hasattr(err, "decided"):
-                        continue
+                verdict = _verdict(out, state, weight, order, taken)
+                if verdict is None:
+                    continue
                 if verdict.layout is not None:
-                    proven.append(verdict)
-                    taken |= set(verdict.region.nodes)
-                    done = True
+                    found = verdict
                     break
-                if verdict.region is None and not hasattr(verdict, "node"):
-                    continue  # no layout fits the shapes: not an update
-                if nearest is None or verdict.error < nearest.error or (
-                        nearest.region is None and verdict.region is not None):
-                    nearest = verdict
-            if done:
+                if closest is None or verdict.error < closest.error or (
+                        closest.region is None and verdict.region is not None):
+                    closest = verdict
+            if found is not None:
                 break
-        if not done and nearest is not None:
-            node = nearest.region.out.name if nearest.region is not None else \
-                getattr(nearest, "node", None)
-            nodes = {n.name for n in nearest.region.nodes} if nearest.region else set()
-            nodes |= {n.name for n in _near_users(weight, 3)}
-            if nearest.region is not None:
-                nodes.add(nearest.region.state.name)
-            misses.append((Miss(NAME, f"conv update by meaning (weight {weight.name}): "
-                                      f"{nearest.reason}", node=node), nodes))
+        if found is not None:
+            proven.append(found)
+            taken |= set(found.region.nodes)
+        elif closest is not None:
+            misses.append(_miss(weight, closest))
     return proven, misses
+
+
+def _verdict(out: fx.Node, state: fx.Node, weight: fx.Node, order: dict,
+             taken: set) -> Optional[Verdict]:
+    """The verdict on the region between (``state``, ``weight``) and ``out``; None when
+    nothing there is shaped like an update (or it is a proven region's)."""
+    try:
+        region = build_region(out, state, weight, order)
+    except NoMatch:  # not shaped like an update: silent
+        return None
+    if taken & set(region.nodes):
+        return None
+    verdict = decide(region)
+    if verdict.region is None:
+        return None  # no layout fits the shapes: not an update
+    if verdict.layout is not None:
+        try:
+            _check_placement(region, order)
+        except NoMatch as err:
+            return Verdict(reason=err.reason, node=err.node)
+    return verdict
+
+
+def _miss(weight: fx.Node, verdict: Verdict) -> tuple:
+    """(the near-miss, the names of the nodes it is about)."""
+    region = verdict.region
+    nodes = {n.name for n in _near_users(weight, 3)}
+    if region is not None:
+        nodes |= {n.name for n in region.nodes} | {region.state.name}
+    return (Miss(NAME, f"conv update by meaning (weight {weight.name}): {verdict.reason}",
+                 node=region.out.name if region is not None else verdict.node), nodes)
 
 
 def _near_users(node: fx.Node, depth: int) -> set:
@@ -637,7 +623,7 @@ def _fusion(verdict: Verdict, order: dict, mode) -> Fusion:
         if width == kernel - 1:
             new = op(ATEN.slice.Tensor, new, 2, 1, kernel)
         made = {"out": _finish(op, out, layout.out, dtype(region.out))}
-        for node, (role, kind) in verdict.exit_roles.items():
+        for node, (role, kind) in layout.exits.items():
             source = out if role == "out" else new
             made[node.name] = _finish(op, source, kind, dtype(node))
         if region.state_written:
@@ -646,7 +632,7 @@ def _fusion(verdict: Verdict, order: dict, mode) -> Fusion:
         return made
 
     replace = {region.out: "out"}
-    replace.update({node: node.name for node in verdict.exit_roles})
+    replace.update({node: node.name for node in layout.exits})
     return Fusion(region.out.name, _anchor(region, order), emit,
                   inputs={n for n in (region.x, region.state, region.weight, region.bias) if n},
                   replace=replace, drop=set(region.nodes))

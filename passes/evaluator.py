@@ -59,8 +59,9 @@ class Verdict:
     """What a meaning rule decided of a region: the layout under which it computes the op
     (``layout``, with its measured output scale), else the ``nearest`` one and how far off
     it is (worst relative errors over the points, float64) and why (``reason``: slips
-    named, switches). ``region``: the rule's record of what it cut; ``partial``: the
-    nearest agrees on part of the region (a chunked region's first positions)."""
+    named, switches; ``node``: the node it is about, when not the region's output).
+    ``region``: the rule's record of what it cut; ``partial``: the nearest agrees on part
+    of the region (a chunked region's first positions)."""
 
     layout: Any = None
     out_error: float = float("inf")
@@ -69,6 +70,7 @@ class Verdict:
     reason: str = ""
     region: Any = None
     partial: bool = False
+    node: Optional[str] = None
 
     @property
     def error(self) -> float:
@@ -84,15 +86,16 @@ class Verdict:
 
 
 def nearest(verdicts) -> Verdict:
-    """The first verdict that fits, else the least wrong (the first of equals); the
-    verdicts are made one at a time, none after a fit."""
-    best = None
+    """The first verdict that fits, else the least wrong (the first of equals; an empty
+    ``Verdict()`` when none is finitely wrong); the verdicts are made one at a time, none
+    after a fit."""
+    best = Verdict()
     for verdict in verdicts:
         if verdict.layout is not None:
             return verdict
-        if best is None or verdict.error < best.error:
+        if verdict.error < best.error:
             best = verdict
-    return best or Verdict()
+    return best
 
 
 class Sampler:
