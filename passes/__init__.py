@@ -16,11 +16,7 @@ import torch
 from torch import fx
 
 from gdn_fx.errors import InternalError
-from gdn_fx.passes.chunk_meaning import ChunkMeaningRule
-from gdn_fx.passes.conv_update import ConvUpdateRule
-from gdn_fx.passes.gdn_chunk import ChunkTemplateRule
-from gdn_fx.passes.gdn_recurrent import RecurrenceRule
-from gdn_fx.passes.hop import ScanHopRule
+from gdn_fx.passes import chunk_meaning, conv_update, gdn_chunk, gdn_recurrent, hop
 from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.rebuild import rebuild
 from gdn_fx.passes.result import CHECK_FAILED, VALIDATION_FAILED, CollapseResult, Miss
@@ -33,12 +29,16 @@ log = logging.getLogger(__name__)
 # rebuilds, validates and hands the result to the next rule. The loop rules run first, on
 # the original graph, since unrolled loops are most of it; the later ones see what is left.
 # To add a rule: one more entry here.
+GDN, CONV = gdn_recurrent.NAME, conv_update.NAME
 RULES: tuple[Rule, ...] = (
-    RecurrenceRule(),
-    ScanHopRule(),  # a loop kept as one scan node (hop.py); near-misses for other loop HOPs
-    ChunkTemplateRule(),
-    ChunkMeaningRule(),  # chunked forms no template matched
-    ConvUpdateRule(),
+    Rule("recurrence", GDN, gdn_recurrent.plan_recurrences, gdn_recurrent.find_unrolled),
+    # a loop kept as one scan node; near-misses for other loop HOPs
+    Rule("scan_hop", GDN, hop.plan_scan_hops, hop.hop_unrolled),
+    Rule("chunk_template", GDN, gdn_chunk.plan_chunk_templates, gdn_chunk.templated_forms),
+    # chunked forms no template matched
+    Rule("chunk_meaning", GDN, chunk_meaning.plan_chunks_by_meaning,
+         chunk_meaning.untemplated_forms),
+    Rule("conv_update", CONV, conv_update.plan_conv_updates, conv_update.find_conv_updates),
 )
 if len({rule.name for rule in RULES}) != len(RULES):
     raise InternalError(f"two rules share a name: {[rule.name for rule in RULES]}")

@@ -130,23 +130,15 @@ class Fit:
 
 # --- the rule ------------------------------------------------------------------------------
 
-class ChunkMeaningRule:
-    """Every chunked gated-delta region found by meaning (the forms no template matched); a
-    fusion's key names the region's anchor (its cumsum)."""
-
-    name, op = "chunk_meaning", NAME
-
-    def unrolled(self, graph: fx.Graph) -> list[str]:
-        """The chunked forms no template names (those are the template rule's to report)."""
-        templated = frozenset(node.name for node, _ in chunked_anchors(graph))
-        return find_chunk_forms(graph, templated)
-
-    def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
-        return plan_chunks_by_meaning(graph)
+def untemplated_forms(graph: fx.Graph) -> list[str]:
+    """The chunked forms no template names (those are the template rule's to report)."""
+    templated = frozenset(node.name for node, _ in chunked_anchors(graph))
+    return find_chunk_forms(graph, templated)
 
 
 def plan_chunks_by_meaning(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
-    """(fusions, near-misses) for the chunked regions around the graph's cumsums."""
+    """The rule: every chunked gated-delta region found by meaning (the forms no template
+    matched) around the graph's cumsums; a fusion's key names the region's anchor."""
     anchors = _anchors(graph)
     if not anchors:  # the usual case once the other rules ran: no walk
         return [], []

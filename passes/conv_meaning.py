@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from gdn_fx.passes.program import (ASSERT_META, add_node, base_of, dtype, fake_mode_of, is_alias,
-                                   is_mutation, shape)
+                                   is_mutation, reachable, shape)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.evaluator import (TOLERANCE, Sampler, Verdict, copy_constant, evaluable,
@@ -120,25 +120,13 @@ def _feeds_fused(node: fx.Node, claimed: frozenset, depth: int = 3) -> bool:
 
 
 def _forward(starts, limit: int, order: dict) -> set:
-    seen, todo = set(starts), list(starts)
-    while todo:
-        node = todo.pop()
-        for user in node.users:
-            if user not in seen and user.op != "output" and order[user] <= limit:
-                seen.add(user)
-                todo.append(user)
-    return seen
+    return reachable(starts, lambda node: [u for u in node.users
+                                           if u.op != "output" and order[u] <= limit])
 
 
 def _backward(sinks, within: set) -> set:
-    seen, todo = set(), [s for s in sinks if s in within]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        todo.extend(a for a in node.all_input_nodes if a in within and a not in seen)
-    return seen
+    return reachable([s for s in sinks if s in within],
+                     lambda node: [a for a in node.all_input_nodes if a in within])
 
 
 def _out_candidates(weight: fx.Node, order: dict, channels: int) -> list:
@@ -315,20 +303,17 @@ def update64(x, s, w, b, activation):
     return out, full[..., full.shape[-1] - width:]
 
 
-def _to_first(value, layout):
-    if layout == "btc" or layout == "wc":
+def _to_first(value, layout, back: bool = False):
+    """``value`` in ``layout`` as channel-first [B, C, T] (``back``: the other way)."""
+    if layout in ("btc", "wc"):
         return value.transpose(1, 2)
     if layout == "bc":
-        return value.unsqueeze(-1)
+        return value.squeeze(-1) if back else value.unsqueeze(-1)
     return value
 
 
 def _from_first(value, layout):
-    if layout in ("btc", "wc"):
-        return value.transpose(1, 2)
-    if layout == "bc":
-        return value.squeeze(-1)
-    return value
+    return _to_first(value, layout, back=True)
 
 
 def _layouts(dims: tuple, channels: int, kinds) -> list:

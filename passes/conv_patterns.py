@@ -203,13 +203,10 @@ def tails(feed: Feed, width: Any) -> list[fx.Node]:
 
 def read_chain(conv: fx.Node) -> list[Link]:
     """The run of time slices, SiLU and casts after the conv, each read by the next only."""
-    links, node = [], conv
-    while True:
-        link = _next_link(node)
-        if link is None:
-            return links
+    links = []
+    while (link := _next_link(links[-1].node if links else conv)) is not None:
         links.append(link)
-        node = link.node
+    return links
 
 
 def _next_link(node: fx.Node) -> Optional[Link]:

@@ -73,23 +73,16 @@ class Plan:
     hoist: list = field(default_factory=list)  # pure operand nodes to move before ``first``
 
 
-class ConvUpdateRule:
-    """Every causal conv1d update: first by the structural pattern (a fusion's key names the
-    conv node), then, for the regions no pattern took, by what they compute (conv_meaning.py:
-    unfold, shifted multiply-adds, roll, channel-last, K - 1 states, ...; a key names the
-    region's output node)."""
-
-    name, op = "conv_update", NAME
-
-    def unrolled(self, graph: fx.Graph) -> list[str]:
-        return find_conv_updates(graph)
-
-    def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
-        fusions, misses, missed = _plan_patterns(graph)
-        claimed = frozenset(n for n in conv_nodes(graph) if n.name in {f.key for f in fusions})
-        by_meaning, more, moot = plan_by_meaning(graph, missed, claimed)
-        misses = [m for m in misses if m.node not in moot]
-        return fusions + by_meaning, misses + more
+def plan_conv_updates(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
+    """The rule: every causal conv1d update, first by the structural pattern (a fusion's key
+    names the conv node), then, for the regions no pattern took, by what they compute
+    (conv_meaning.py: unfold, shifted multiply-adds, roll, channel-last, K - 1 states, ...;
+    a key names the region's output node)."""
+    fusions, misses, missed = _plan_patterns(graph)
+    claimed = frozenset(n for n in conv_nodes(graph) if n.name in {f.key for f in fusions})
+    by_meaning, more, moot = plan_by_meaning(graph, missed, claimed)
+    misses = [m for m in misses if m.node not in moot]
+    return fusions + by_meaning, misses + more
 
 
 def _plan_patterns(graph: fx.Graph) -> tuple[list[Fusion], list[Miss], set]:

@@ -30,29 +30,27 @@ FORMS = ("training", "functional", "core")
 RESHAPES = (ATEN.reshape.default, ATEN.view.default, ATEN._unsafe_view.default)
 
 
-class ChunkTemplateRule:
-    """Every chunked gated-delta computation shaped as transformers writes it; a fusion's key
-    names the region's output node."""
+def plan_chunk_templates(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
+    """The rule: every chunked gated-delta computation shaped as transformers writes it; a
+    fusion's key names the region's output node."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    fusions, misses, mode = [], [], None
+    for cumsum in [n for n in graph.nodes if n.target is ATEN.cumsum.default]:
+        shapes = candidate_shapes(graph, cumsum)
+        if not shapes:
+            continue
+        try:
+            region, ops = _find(graph, shapes, order, cumsum)
+            mode = mode or fake_mode_of(graph)
+            fusions.append(plan_scan(region, ops, order, mode))
+        except NoMatch as err:
+            misses.append(Miss(NAME, f"chunked form: {err.reason}", node=err.node))
+    return fusions, misses
 
-    name, op = "chunk_template", NAME
 
-    def unrolled(self, graph: fx.Graph) -> list[str]:
-        return [chunked_form(*found) for found in chunked_anchors(graph)]
-
-    def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
-        order = {node: i for i, node in enumerate(graph.nodes)}
-        fusions, misses, mode = [], [], None
-        for cumsum in [n for n in graph.nodes if n.target is ATEN.cumsum.default]:
-            shapes = candidate_shapes(graph, cumsum)
-            if not shapes:
-                continue
-            try:
-                region, ops = _find(graph, shapes, order, cumsum)
-                mode = mode or fake_mode_of(graph)
-                fusions.append(plan_scan(region, ops, order, mode))
-            except NoMatch as err:
-                misses.append(Miss(NAME, f"chunked form: {err.reason}", node=err.node))
-        return fusions, misses
+def templated_forms(graph: fx.Graph) -> list[str]:
+    """What the template rule would fuse, for ``find_unrolled``."""
+    return [chunked_form(*found) for found in chunked_anchors(graph)]
 
 
 def chunked_anchors(graph: fx.Graph) -> list[tuple[fx.Node, int]]:

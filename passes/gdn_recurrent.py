@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.layouts import Plan, plan_operands
+from gdn_fx.passes.layouts import Layout, Plan, plan_operands
 from gdn_fx.passes.loop_outputs import gather
 from gdn_fx.passes.loops import (Cluster, Loop, Step, cut_steps, descendants_in, find_clusters,
                                  state_like, step_candidates, tag_window, walk_body)
@@ -48,28 +48,21 @@ class Recurrence:
     length: int
 
 
-class RecurrenceRule:
-    """Every whole unrolled loop that is the delta rule; a fusion's key names the region's
-    first step output."""
-
-    name, op = "recurrence", NAME
-
-    def unrolled(self, graph: fx.Graph) -> list[str]:
-        return find_unrolled(graph)
-
-    def plan(self, graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
-        order = _order(graph)
-        found, misses = find_recurrences(graph, order)
-        # the mode of the operands the fused nodes read (not a walk over the whole graph)
-        operands = [n for rec in found for n in rec.plan.operands.nodes.values()]
-        mode = fake_mode_of(graph, operands) if found else None
-        fusions = []
-        for rec in found:
-            try:
-                fusions.append(plan_scan(rec.region, rec.plan.operands, order, mode))
-            except NoMatch as err:
-                misses.append(Miss(NAME, err.reason, node=err.node, of=rec.length))
-        return fusions, misses
+def plan_recurrences(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
+    """The rule: every whole unrolled loop that is the delta rule; a fusion's key names the
+    region's first step output."""
+    order = _order(graph)
+    found, misses = find_recurrences(graph, order)
+    # the mode of the operands the fused nodes read (not a walk over the whole graph)
+    operands = [n for rec in found for n in rec.plan.operands.nodes.values()]
+    mode = fake_mode_of(graph, operands) if found else None
+    fusions = []
+    for rec in found:
+        try:
+            fusions.append(plan_scan(rec.region, rec.plan.operands, order, mode))
+        except NoMatch as err:
+            misses.append(Miss(NAME, err.reason, node=err.node, of=rec.length))
+    return fusions, misses
 
 
 def find_recurrences(graph: fx.Graph, order: Optional[dict] = None
@@ -77,15 +70,11 @@ def find_recurrences(graph: fx.Graph, order: Optional[dict] = None
     """Every loop that is the delta rule, and a near-miss for each loop-like one that is not.
     ``order``: node -> position in ``graph`` (computed when not given)."""
     order = order or _order(graph)
-    nodes = list(graph.nodes)
     found, misses = [], []
-    for cluster in find_clusters(graph, order):
-        tags = tag_window(nodes, cluster)
-        try:
-            candidates = step_candidates(cluster, tags, order)
-        except NoMatch as err:
+    for cluster, tags, candidates in _candidates(graph, order):
+        if isinstance(candidates, NoMatch):
             if _loop_like(cluster):
-                misses.append(_miss(err, cluster.length))
+                misses.append(_miss(candidates, cluster.length))
             continue
         here, failed = [], []
         for outs in candidates:
@@ -102,14 +91,9 @@ def find_recurrences(graph: fx.Graph, order: Optional[dict] = None
 
 def find_unrolled(graph: fx.Graph) -> list[str]:
     """Descriptions of loops over time still unrolled in the graph (found by structure)."""
-    order, nodes, found = _order(graph), list(graph.nodes), []
-    for cluster in find_clusters(graph, order):
-        tags = tag_window(nodes, cluster)
-        try:
-            candidates = step_candidates(cluster, tags, order)
-        except NoMatch:
-            continue
-        for outs in candidates:
+    order, found = _order(graph), []
+    for cluster, tags, candidates in _candidates(graph, order):
+        for outs in () if isinstance(candidates, NoMatch) else candidates:
             try:
                 loop = cut_steps(cluster, tags, outs, order)
             except NoMatch:
@@ -118,6 +102,19 @@ def find_unrolled(graph: fx.Graph) -> list[str]:
                 found.append(f"unrolled {loop.length}-step loop over state "
                              f"{loop.steps[0].state_in.name} (node {outs[0].name})")
     return found
+
+
+def _candidates(graph: fx.Graph, order: dict):
+    """(cluster, its tags, its step candidates, or the NoMatch saying why it has none) for
+    every cluster of time reads in the graph."""
+    nodes = list(graph.nodes)
+    for cluster in find_clusters(graph, order):
+        tags = tag_window(nodes, cluster)
+        try:
+            candidates = step_candidates(cluster, tags, order)
+        except NoMatch as err:
+            candidates = err
+        yield cluster, tags, candidates
 
 
 def _loop_like(cluster: Cluster, outs=None, tags=None) -> bool:
@@ -190,14 +187,8 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
     for final in candidates + [None]:
         if final is None and passing:
             break
-        step = _ending_with(last, final, t, tags, cluster, order)
-        if step is None:
-            continue
-        try:
-            verdict = decide(step, final, loop.groups, layout, search=layout is None)
-        except NoMatch:  # e.g. a copy into the input state: reads what the loop does not
-            continue
-        if verdict.layout is not None:
+        step, verdict = _ending_with(last, final, loop, t, tags, cluster, order, layout)
+        if isinstance(verdict, Verdict) and verdict.layout is not None:
             passing.append((step, verdict))
             if final is not None and any(u not in step.body for u in final.users):
                 chosen = passing[-1]  # the state the program reads after the loop
@@ -216,27 +207,30 @@ def _read_after(user: fx.Node, tags: dict) -> bool:
     return user.op == "output" or user not in tags or not is_pure(user)
 
 
-def _ending_with(last: Step, final, t: int, tags: dict, cluster: Cluster, order: dict):
-    """The last step with ``final`` as its new state (None: it reads from another step)."""
+def _ending_with(last: Step, final, loop: Loop, t: int, tags: dict, cluster: Cluster,
+                 order: dict, layout: Optional[Layout] = None) -> tuple:
+    """(the last step with ``final`` as its new state, the verdict on it or the NoMatch
+    that stopped it: e.g. a copy into the input state reads what the loop does not); (None,
+    None) when the step would read from another step. ``layout``: the other steps'."""
     body, reads, earlier, consts = walk_body([last.out] + ([final] if final else []), t,
                                              tags, cluster)
     if len(earlier) > 1 or (t > 0 and earlier != [last.state_in]):
-        return None
-    return Step(t, last.state_in, final, last.out, reads, sorted(body, key=order.__getitem__),
+        return None, None
+    step = Step(t, last.state_in, final, last.out, reads, sorted(body, key=order.__getitem__),
                 [c for c in consts if c is not last.state_in])
+    try:
+        return step, decide(step, final, loop.groups, layout, search=layout is None)
+    except NoMatch as err:
+        return step, err
 
 
 def _nearest_miss(last: Step, candidates: list, loop: Loop, t, tags, cluster, order) -> NoMatch:
     """Why no candidate new state makes the last step the delta rule (the nearest layout)."""
     nearest, first_error = None, None
     for final in candidates + [None]:
-        step = _ending_with(last, final, t, tags, cluster, order)
-        if step is None:
-            continue
-        try:
-            verdict = decide(step, final, loop.groups)
-        except NoMatch as err:
-            first_error = first_error or err
+        step, verdict = _ending_with(last, final, loop, t, tags, cluster, order)
+        if not isinstance(verdict, Verdict):
+            first_error = first_error or verdict
             continue
         if nearest is None or verdict.error < nearest[1].error:
             nearest = (step, verdict)

@@ -4,7 +4,7 @@ torch.export keeps such a loop as ONE node (``torch.ops.higher_order.scan`` and 
 body is a subgraph held as a module attribute: nothing is unrolled, so the loop rules, which
 find loops as chains of steps, never see it, and torch-to-nnef cannot trace it.
 
-``ScanHopRule`` fuses a ``scan`` whose body is one delta-rule step (the body decided by
+``plan_scan_hops`` fuses a ``scan`` whose body is one delta-rule step (the body decided by
 meaning, as one step of an unrolled loop is) and leaves a near-miss naming every other looping
 node; ``find_unrolled`` reports what is left (``hop_unrolled``) and the lowering refuses it
 in one line (``loop_hops``, ``describe``) instead of failing inside torch-to-nnef.
@@ -61,35 +61,28 @@ def hop_unrolled(graph: fx.Graph) -> list[str]:
 
 # --- a scan whose body is one delta-rule step ------------------------------------------------
 
-class ScanHopRule:
-    """``torch.ops.higher_order.scan`` over (q, k, v, gate, beta) along axis 0, carrying one
-    state, whose body IS one delta-rule step, decided by meaning (step_meaning.decide on the
-    body, as for one step of an unrolled loop): fused into one ``gated_delta_scan``. Every
-    other looping higher-order node (a while_loop, a scan of another body or signature) is
-    left with a near-miss naming it.
+def plan_scan_hops(graph: fx.Graph) -> tuple[list, list[Miss]]:
+    """The rule: ``torch.ops.higher_order.scan`` over (q, k, v, gate, beta) along axis 0,
+    carrying one state, whose body IS one delta-rule step, decided by meaning
+    (step_meaning.decide on the body, as for one step of an unrolled loop): fused into one
+    ``gated_delta_scan``. Every other looping higher-order node (a while_loop, a scan of
+    another body or signature) is left with a near-miss naming it.
 
     Search pattern::
 
         final, ys = scan(body, [state], [x0, x1, x2, x3, x4], ())
         # body(state, x0_t, .., x4_t) -> (state', o_t)
     """
-
-    name, op = "scan_hop", RULE
-
-    def unrolled(self, graph: fx.Graph) -> list[str]:
-        return hop_unrolled(graph)
-
-    def plan(self, graph: fx.Graph) -> tuple[list, list[Miss]]:
-        fusions, misses, order = [], [], None
-        for node in loop_hops(graph):
-            try:
-                if node.target.name() != "scan":
-                    raise NoMatch("no rule reads inside its body", node=node)
-                order = order or {n: i for i, n in enumerate(graph.nodes)}
-                fusions.append(_scan_fusion(graph, node, order))
-            except NoMatch as err:
-                misses.append(_hop_miss(node, err.reason))
-        return fusions, misses
+    fusions, misses, order = [], [], None
+    for node in loop_hops(graph):
+        try:
+            if node.target.name() != "scan":
+                raise NoMatch("no rule reads inside its body", node=node)
+            order = order or {n: i for i, n in enumerate(graph.nodes)}
+            fusions.append(_scan_fusion(graph, node, order))
+        except NoMatch as err:
+            misses.append(_hop_miss(node, err.reason))
+    return fusions, misses
 
 
 def _hop_miss(node: fx.Node, reason: str) -> Miss:

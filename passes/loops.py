@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.program import dtype, mutates, shape
+from gdn_fx.passes.program import dtype, mutates, reachable, shape
 from gdn_fx.passes.result import NoMatch
 
 ATEN = torch.ops.aten
@@ -361,17 +361,9 @@ def state_like(node: fx.Node, like: Optional[fx.Node] = None) -> bool:
     return like is None or (dims == shape(like) and kind == dtype(like))
 
 
-def descendants_in(start: fx.Node, tags: dict, t: int) -> list[fx.Node]:
-    """Nodes tagged ``t`` reachable forward from ``start`` (graph order not guaranteed)."""
-    found, todo, seen = [], [start], {start}
-    while todo:
-        node = todo.pop()
-        for user in node.users:
-            if user not in seen and tags.get(user) == t:
-                seen.add(user)
-                found.append(user)
-                todo.append(user)
-    return found
+def descendants_in(start: fx.Node, tags: dict, t: int) -> set:
+    """Nodes tagged ``t`` reachable forward from ``start``."""
+    return reachable([start], lambda node: [u for u in node.users if tags.get(u) == t]) - {start}
 
 
 def cut_steps(cluster: Cluster, tags: dict, outs: list, order: dict) -> Loop:

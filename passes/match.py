@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from gdn_fx.errors import InternalError
-from gdn_fx.passes.program import is_pure, shape
+from gdn_fx.passes.program import is_pure, reachable, shape
 from gdn_fx.passes.result import NoMatch
 
 ATEN = torch.ops.aten
@@ -366,13 +366,4 @@ def outside_users(match: Match) -> list[tuple[fx.Node, fx.Node]]:
 
 def is_dead(node: fx.Node) -> bool:
     """A pure node whose value, directly or through other pure nodes, reaches nothing."""
-    todo, seen = [node], set()
-    while todo:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if not is_pure(current):
-            return False
-        todo.extend(current.users)
-    return True
+    return all(map(is_pure, reachable([node], lambda n: n.users if is_pure(n) else ())))

@@ -117,15 +117,11 @@ def _cast_source(node: fx.Node) -> Optional[fx.Node]:
 
 def _peel_casts(node: fx.Node) -> fx.Node:
     """Skip up-casts to f32 from f16/bf16/f32 (the op casts so itself) and same-dtype copies."""
-    while True:
-        inner = _cast_source(node)
-        if inner is None:
-            return node
-        same = dtype(inner) == dtype(node)
-        up = dtype(node) == torch.float32 and dtype(inner) in LOW_FLOATS
-        if not (same or up) or shape(inner) != shape(node):
-            return node
+    while (inner := _cast_source(node)) is not None and shape(inner) == shape(node) and (
+            dtype(inner) == dtype(node)
+            or dtype(node) == torch.float32 and dtype(inner) in LOW_FLOATS):
         node = inner
+    return node
 
 
 def _peel_aliases(node: fx.Node) -> fx.Node:
@@ -163,13 +159,9 @@ def _repeated(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
         return None
     if node.target is not ATEN.view.default:  # core aten: view(clone(expand(unsqueeze(x, 3))))
         return None
-    inner = node.args[0]
-    if inner.target is ATEN.clone.default:
-        inner = inner.args[0]
-    if inner.target is not ATEN.expand.default:
-        return None
-    unsq = inner.args[0]
-    if unsq.target is not ATEN.unsqueeze.default or unsq.args[1] % 5 != 3:
+    inner = node.args[0].args[0] if node.args[0].target is ATEN.clone.default else node.args[0]
+    unsq = inner.args[0] if inner.target is ATEN.expand.default else None
+    if unsq is None or unsq.target is not ATEN.unsqueeze.default or unsq.args[1] % 5 != 3:
         return None
     b, t, h, d = shape(unsq.args[0])
     groups = list(inner.args[1])[3]

@@ -86,6 +86,18 @@ def copy_meta(source: fx.Node, nodes) -> None:
                 node.meta[key] = source.meta[key]
 
 
+def reachable(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> set:
+    """``starts`` and every node reached from them by ``step`` (a node's next ones)."""
+    seen = set(starts)
+    todo = list(seen)
+    while todo:
+        for node in step(todo.pop()):
+            if node not in seen:
+                seen.add(node)
+                todo.append(node)
+    return seen
+
+
 def mutates(node: fx.Node) -> bool:
     """A call whose op's schema says it writes one of its arguments in place."""
     schema = getattr(node.target, "_schema", None)

@@ -34,7 +34,7 @@ def test_every_rule_plans_without_touching_the_graph(index):
         planned += len(fusions)
         names = {n.name for n in graph.nodes}
         assert all(f.key in names for f in fusions)
-        assert graph.python_code("self").src == before, type(rule).__name__
+        assert graph.python_code("self").src == before, rule.name
     assert planned >= 1  # the program is one the rules fuse: the check above saw a plan
 
 
