@@ -20,7 +20,7 @@ decay that every chunked algebra takes; the anchor):
 
 Decided by meaning: the region between a cut and the outputs is run in float64 at random
 inputs (step_meaning's interpreter) next to the delta rule run along all T positions under
-every layout the shapes allow (layouts.py's records, step_meaning's ``reference_step``). The
+every layout the shapes allow (layouts.py's records and its ``reference_step``). The
 widest cut whose region agrees to 1e-9 relative at two points, output and final state, is
 fused (when the widest does not agree, the last that does is found by bisection), through
 plan_operands and plan_scan as for a recurrent loop; translation validation then
@@ -39,7 +39,8 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.gdn_chunk import chunked_anchors, chunked_form
-from gdn_fx.passes.layouts import Layout, batch_heads, group_features, plan_operands
+from gdn_fx.passes.layouts import (Layout, batch_heads, group_features, layouts_for,
+                                   plan_operands, reference_step)
 from gdn_fx.passes.program import (ASSERT_META, base_of, dtype, fake_mode_of, is_mutation,
                                    is_pure, shape)
 from gdn_fx.passes.rebuild import Fusion
@@ -47,7 +48,6 @@ from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
 from gdn_fx.passes.evaluator import (TOLERANCE, Sampler, Verdict, copy_constant, evaluable,
                                      fitted_scale, one_scale, rel)
-from gdn_fx.passes.step_meaning import layouts_for, reference_step
 
 NAME = "gated_delta_scan"
 ATEN = torch.ops.aten

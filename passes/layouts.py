@@ -10,15 +10,16 @@ the loop's tensor by a permute and, where the axes do not line up, a reshape, em
 the fused node. The state's leading axes are the batch: the last is the op's H, the others
 its B.
 
-To add a layout: a new field here (``Layout.same_as`` compares every field, so the steps of
-one loop must agree on it without more code), the layouts it allows in step_meaning's
-``layouts_for`` (or a pool tried when the others fail, as ``qk_l2norm``), what the delta rule
-does under it in step_meaning's ``reference_step``, and what its operands need in
-``plan_operands`` / ``_adapt``.
+To add a layout, this file only: a new field of ``Layout`` (``Layout.same_as`` compares
+every field, so the steps of one loop must agree on it without more code), the layouts it
+allows in ``layouts_for`` (or a pool step_meaning tries when the others fail, as
+``qk_l2norm``), what the delta rule does under it in ``reference_step`` (the reference every
+meaning rule scores against), and what its operands need in ``plan_operands`` / ``_adapt``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -29,6 +30,7 @@ from torch import fx
 from gdn_fx.passes.operands import Operands, scan_operands, _peel_aliases, _peel_casts
 from gdn_fx.passes.program import shape
 from gdn_fx.passes.result import NoMatch
+from gdn_fx.reference import l2norm
 
 ATEN = torch.ops.aten
 ROLES = ("q", "k", "v", "g", "beta")
@@ -81,6 +83,89 @@ class Layout:
             f", q and k on {self.key_heads} heads ({'tiled' if self.tiled else 'grouped'})"
         norm = ", q and k L2-normalized in the step" if self.qk_l2norm else ""
         return f"{state} state, {gate}, scale {self.scale:.6g}{heads}{norm}"
+
+
+def read_shape(group) -> list:
+    source, axis = group
+    dims = list(shape(source))
+    del dims[axis]
+    return dims
+
+
+def layouts_for(state_shape, groups, out_shape):
+    """Every layout the shapes allow: role assignment, state orientation, gate kind.
+    ``groups`` are (tensor, time axis) pairs: a loop's reads, or a chunked region's inputs."""
+    feats = [group_features(read_shape(g), state_shape) for g in groups]
+    if any(f is None for f in feats) or len(groups) != 5:
+        return
+    heads = [group_heads(read_shape(g), state_shape) for g in groups]
+    d1, d2 = state_shape[-2:]
+    for roles_names in ROLE_SETS:
+        for key_first in (True, False):
+            dk, dv = (d1, d2) if key_first else (d2, d1)
+            for roles in itertools.permutations(range(len(groups))):
+                assign = dict(zip(roles_names, roles))
+                if not _widths_fit(assign, feats, dk, dv):
+                    continue
+                for key_heads, tiled in _head_maps(assign, heads, state_shape):
+                    for log_gate in (True, False):
+                        yield Layout(assign, key_first, log_gate, tuple(feats),
+                                     tuple(state_shape), tuple(out_shape),
+                                     key_heads=key_heads, tiled=tiled)
+
+
+def _head_maps(assign, heads, state_shape) -> list:
+    """(key heads, tiled) pairs a role assignment allows: (None, False) when every read has
+    the state's heads; under GQA only q and k may have fewer, the same number, read grouped
+    (value head h -> key head h // G) or tiled (h % Hk), which differ unless Hk = 1."""
+    full = state_shape[-3] if len(state_shape) > 2 else 0
+    fewer = {i for i, h in enumerate(heads) if h != full}
+    if not fewer:
+        return [(None, False)]
+    q, k = assign["q"], assign["k"]
+    if fewer != {q, k} or heads[q] != heads[k]:
+        return []
+    return [(heads[q], False)] + ([(heads[q], True)] if heads[q] > 1 else [])
+
+
+def _widths_fit(assign, feats, dk, dv) -> bool:
+    want = {"q": [dk], "k": [dk], "v": [dv], "beta": [], "kb": [dk]}
+    if any(feats[assign[r]] != w for r, w in want.items() if r in assign):
+        return False
+    return feats[assign["g"]] in ([], [dk])
+
+
+def reference_step(layout: Layout, s0, ins):
+    """The delta rule's (S', o) for these inputs under ``layout``, in the body's layout (one
+    step; chunk_meaning.py runs it along a whole sequence)."""
+    batch = s0.shape[:-2]
+    x = {r: _per_value_head(ins[i], bool(layout.features[i]), layout, batch)
+         for r, i in layout.roles.items()}
+    s = s0 if layout.key_first else s0.transpose(-1, -2)
+    decay = x["g"].exp() if layout.log_gate else x["g"]
+    decay = decay[..., None] if decay.dim() > len(batch) else decay[..., None, None]
+    if layout.qk_l2norm:
+        x["q"], x["k"] = l2norm(x["q"]), l2norm(x["k"])
+    x["decayed"] = s = s * decay
+    delta = x["v"] - (s * x["k"][..., :, None]).sum(-2)
+    if "beta" in x:
+        s = s + x["k"][..., :, None] * (delta * x["beta"][..., None])[..., None, :]
+    else:  # beta folded into k before the loop: kb = beta * k
+        s = s + x["kb"][..., :, None] * delta[..., None, :]
+    o = (s * x["q"][..., :, None]).sum(-2)
+    s_back = s if layout.key_first else s.transpose(-1, -2)
+    return s_back, o, s0 if layout.key_first else s0.transpose(-1, -2), x
+
+
+def _per_value_head(read: torch.Tensor, features: bool, layout: Layout, batch):
+    """A read as [*batch, features] (or [*batch]); q or k on fewer heads (GQA) indexed to
+    the value heads by the layout's map."""
+    lead = tuple(read.shape[:len(batch)])
+    read = read.reshape(*lead, -1) if features else read.reshape(lead)
+    if lead == tuple(batch):
+        return read
+    index = torch.tensor([layout.key_head(h) for h in range(batch[-1])])
+    return read.index_select(len(batch) - 1, index)
 
 
 def group_features(read_shape: list, state_shape) -> Optional[list]:

@@ -14,7 +14,6 @@ layout fits, the nearest one says how far off the body is, and common slips are 
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import replace
 from typing import Optional
@@ -24,8 +23,7 @@ from torch import fx
 
 from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Sampler, Verdict, copy_constant,
                                      evaluable, fitted_scale, nearest, one_scale, rel)
-from gdn_fx.reference import l2norm
-from gdn_fx.passes.layouts import ROLE_SETS, Layout, group_features, group_heads
+from gdn_fx.passes.layouts import Layout, layouts_for, read_shape, reference_step
 from gdn_fx.passes.loops import time_read
 from gdn_fx.passes.program import shape
 from gdn_fx.passes.result import NoMatch
@@ -70,7 +68,7 @@ def decide(step, final: Optional[fx.Node], groups: list,
     does not fit and ``search`` (to find the nearest, for the near-miss)."""
     graph = body_graph(step, final, groups)  # run as it is: a GraphModule would compile it
     owner = step.state_in.graph.owning_module or torch.nn.Module()
-    shapes = [list(shape(step.state_in))] + [_read_shape(g) for g in groups]
+    shapes = [list(shape(step.state_in))] + [read_shape(g) for g in groups]
     candidates = list(layouts_for(shape(step.state_in), groups, shape(step.out)))
     if not candidates:
         raise NoMatch(f"step {step.t} reads {len(groups)} tensors position by position ("
@@ -153,91 +151,8 @@ def _entries(point, batch):
              some(o_flat) if o_flat is not None else o_got))
 
 
-def _read_shape(group) -> list:
-    source, axis = group
-    dims = list(shape(source))
-    del dims[axis]
-    return dims
-
-
 def _describe(groups) -> str:
     return ", ".join(f"{s.name} {list(shape(s))} along {a}" for s, a in groups[:6])
-
-
-def layouts_for(state_shape, groups, out_shape):
-    """Every layout the shapes allow: role assignment, state orientation, gate kind.
-    ``groups`` are (tensor, time axis) pairs: a loop's reads, or a chunked region's inputs."""
-    feats = [group_features(_read_shape(g), state_shape) for g in groups]
-    if any(f is None for f in feats) or len(groups) != 5:
-        return
-    heads = [group_heads(_read_shape(g), state_shape) for g in groups]
-    d1, d2 = state_shape[-2:]
-    for roles_names in ROLE_SETS:
-        for key_first in (True, False):
-            dk, dv = (d1, d2) if key_first else (d2, d1)
-            for roles in itertools.permutations(range(len(groups))):
-                assign = dict(zip(roles_names, roles))
-                if not _widths_fit(assign, feats, dk, dv):
-                    continue
-                for key_heads, tiled in _head_maps(assign, heads, state_shape):
-                    for log_gate in (True, False):
-                        yield Layout(assign, key_first, log_gate, tuple(feats),
-                                     tuple(state_shape), tuple(out_shape),
-                                     key_heads=key_heads, tiled=tiled)
-
-
-def _head_maps(assign, heads, state_shape) -> list:
-    """(key heads, tiled) pairs a role assignment allows: (None, False) when every read has
-    the state's heads; under GQA only q and k may have fewer, the same number, read grouped
-    (value head h -> key head h // G) or tiled (h % Hk), which differ unless Hk = 1."""
-    full = state_shape[-3] if len(state_shape) > 2 else 0
-    fewer = {i for i, h in enumerate(heads) if h != full}
-    if not fewer:
-        return [(None, False)]
-    q, k = assign["q"], assign["k"]
-    if fewer != {q, k} or heads[q] != heads[k]:
-        return []
-    return [(heads[q], False)] + ([(heads[q], True)] if heads[q] > 1 else [])
-
-
-def _widths_fit(assign, feats, dk, dv) -> bool:
-    want = {"q": [dk], "k": [dk], "v": [dv], "beta": [], "kb": [dk]}
-    if any(feats[assign[r]] != w for r, w in want.items() if r in assign):
-        return False
-    return feats[assign["g"]] in ([], [dk])
-
-
-def reference_step(layout: Layout, s0, ins):
-    """The delta rule's (S', o) for these inputs under ``layout``, in the body's layout (one
-    step; chunk_meaning.py runs it along a whole sequence)."""
-    batch = s0.shape[:-2]
-    x = {r: _per_value_head(ins[i], bool(layout.features[i]), layout, batch)
-         for r, i in layout.roles.items()}
-    s = s0 if layout.key_first else s0.transpose(-1, -2)
-    decay = x["g"].exp() if layout.log_gate else x["g"]
-    decay = decay[..., None] if decay.dim() > len(batch) else decay[..., None, None]
-    if layout.qk_l2norm:
-        x["q"], x["k"] = l2norm(x["q"]), l2norm(x["k"])
-    x["decayed"] = s = s * decay
-    delta = x["v"] - (s * x["k"][..., :, None]).sum(-2)
-    if "beta" in x:
-        s = s + x["k"][..., :, None] * (delta * x["beta"][..., None])[..., None, :]
-    else:  # beta folded into k before the loop: kb = beta * k
-        s = s + x["kb"][..., :, None] * delta[..., None, :]
-    o = (s * x["q"][..., :, None]).sum(-2)
-    s_back = s if layout.key_first else s.transpose(-1, -2)
-    return s_back, o, s0 if layout.key_first else s0.transpose(-1, -2), x
-
-
-def _per_value_head(read: torch.Tensor, features: bool, layout: Layout, batch):
-    """A read as [*batch, features] (or [*batch]); q or k on fewer heads (GQA) indexed to
-    the value heads by the layout's map."""
-    lead = tuple(read.shape[:len(batch)])
-    read = read.reshape(*lead, -1) if features else read.reshape(lead)
-    if lead == tuple(batch):
-        return read
-    index = torch.tensor([layout.key_head(h) for h in range(batch[-1])])
-    return read.index_select(len(batch) - 1, index)
 
 
 def _score(layout: Layout, points, with_state: bool, tolerance: float = TOLERANCE) -> Verdict:
