@@ -21,6 +21,32 @@ CONV_TARGET = torch.ops.gdn_fx.causal_conv1d_update.default
 FUSED_TARGETS = {SCAN_TARGET: "gated_delta_scan", CONV_TARGET: "causal_conv1d_update"}
 
 
+Program = Union[torch.export.ExportedProgram, fx.GraphModule]
+
+
+def source_module(program: Program) -> fx.GraphModule:
+    """The module whose graph holds the program's nodes (parameters as attributes).
+
+    An ExportedProgram with in-place ops (torch.export's training IR) is functionalized first:
+    torch.jit.trace, which torch-to-nnef uses, keeps the value from before an in-place write
+    through a view for later readers, so such a graph would export silently wrong. The fused
+    gdn_fx ops survive functionalization (they have no decomposition).
+    """
+    if isinstance(program, torch.export.ExportedProgram):
+        if _writes_in_place(program.graph_module.graph):
+            program = program.run_decompositions({})
+        return program.module()
+    if isinstance(program, fx.GraphModule):
+        return program
+    raise UnsupportedProgram(f"expected a torch.export.ExportedProgram or torch.fx.GraphModule, "
+                             f"got {type(program).__name__}")
+
+
+def _writes_in_place(graph: fx.Graph) -> bool:
+    return any(getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+               for n in graph.nodes if n.op == "call_function")
+
+
 def fused_nodes(graph: fx.Graph) -> list[fx.Node]:
     """Every gated_delta_scan / causal_conv1d_update call in the graph, in graph order."""
     return [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_TARGETS]

@@ -7,8 +7,7 @@ from typing import Mapping, Optional
 import torch.fx as fx
 
 from gdn_fx.lowering.choice import Choice, validate
-from gdn_fx.lowering.fx_nodes import fused_nodes, node_facts
-from gdn_fx.lowering.t2n.program import Program, source_module
+from gdn_fx.lowering.fx_nodes import Program, fused_nodes, node_facts, source_module
 from gdn_fx.lowering.table import Decision, candidate_names, decide
 from gdn_fx.lowering.target import Target
 

@@ -20,7 +20,8 @@ from gdn_fx.errors import ExportRefused
 from gdn_fx.hf import tiny_model
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
 from gdn_fx.hf.decode import DecodeStep
-from gdn_fx.hf.generator import (NOT_ASKED, Generator, auto_prefill_chunk,
+from gdn_fx.lowering.prefill import auto_prefill_chunk
+from gdn_fx.hf.generator import (NOT_ASKED, Generator,
                                  check_generation, decode_path, decode_problem,
                                  export_generator)
 

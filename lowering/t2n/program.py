@@ -12,40 +12,14 @@ The rewrites torch-to-nnef and tract need before tracing live in ``gdn_fx.loweri
 
 from __future__ import annotations
 
-from typing import Union
 
 import torch
 import torch.fx as fx
 
 from gdn_fx.errors import DTypeError, UnsupportedProgram
 from gdn_fx.lowering.facts import static_dim
+from gdn_fx.lowering.fx_nodes import Program, source_module
 from gdn_fx.lowering.t2n.traced_sizes import trace_sizes
-
-Program = Union[torch.export.ExportedProgram, fx.GraphModule]
-
-
-def source_module(program: Program) -> fx.GraphModule:
-    """The module whose graph holds the program's nodes (parameters as attributes).
-
-    An ExportedProgram with in-place ops (torch.export's training IR) is functionalized first:
-    torch.jit.trace, which torch-to-nnef uses, keeps the value from before an in-place write
-    through a view for later readers, so such a graph would export silently wrong. The fused
-    gdn_fx ops survive functionalization (they have no decomposition).
-    """
-    if isinstance(program, torch.export.ExportedProgram):
-        if _writes_in_place(program.graph_module.graph):
-            program = program.run_decompositions({})
-        return program.module()
-    if isinstance(program, fx.GraphModule):
-        return program
-    raise UnsupportedProgram(f"expected a torch.export.ExportedProgram or torch.fx.GraphModule, "
-                             f"got {type(program).__name__}")
-
-
-def _writes_in_place(graph: fx.Graph) -> bool:
-    return any(getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
-               for n in graph.nodes if n.op == "call_function")
-
 
 def _is_guard(node: fx.Node) -> bool:
     return node.op == "call_module" and node.target == "_guards_fn" and not node.users
