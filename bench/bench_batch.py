@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from bench_generate import QUICK, SHAPE, build  # noqa: E402
+from bench_generate import build  # noqa: E402
+from common import QUICK, SHAPE  # noqa: E402
 
 SHAPES = {"quick": QUICK, "0.8b": SHAPE}
 

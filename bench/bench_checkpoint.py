@@ -26,18 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_generate  # noqa: E402
 import common  # noqa: E402
 
-LIN, FULL = bench_generate.LIN, bench_generate.FULL
+LIN, FULL = common.LIN, common.FULL
 # The shapes (family, config overrides). 4b: Qwen3.5-4B's text shape as published (hidden
 # 2560, 32 layers 3:1 GDN:attention, GDN 16 key / 32 value heads of 128, attention 16 / 4
 # heads of 256, FFN 9216, vocab 248,320, tied). moe: one Qwen3.5-MoE (35B-A3B) layer pair
 # (hidden 2048, 256 experts of width 512, top-8, shared expert 512, GDN 16 / 32 heads of 128,
 # attention 16 / 2 heads of 256) with 2 layers instead of 40, so that it fits this machine.
 SHAPES = {
-    "quick": ("qwen3_5", bench_generate.QUICK),
-    "0.8b": ("qwen3_5", bench_generate.SHAPE),
+    "quick": ("qwen3_5", common.QUICK),
+    "0.8b": ("qwen3_5", common.SHAPE),
     "4b": ("qwen3_5", dict(vocab_size=248320, hidden_size=2560, num_attention_heads=16,
                            num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
                            linear_num_value_heads=32, linear_key_head_dim=128,
@@ -87,7 +86,7 @@ def _child(kind: str, *args: str) -> dict:
     """``kind`` in a fresh one-thread process (bench_generate's run_tract, else this
     module's function); its figures and peak RSS (VmHWM)."""
     module = "bench_generate" if kind == "run_tract" else "bench_checkpoint"
-    return bench_generate._child(kind, *args, module=module)
+    return common.child(kind, *args, module=module)
 
 
 def _folder_bytes(folder: Path) -> int:

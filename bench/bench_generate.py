@@ -24,9 +24,7 @@ matmuls, so that ratio bounds how far tract's prefill can get ahead of torch's.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,14 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import peer  # noqa: E402
+from common import FULL, LIN, QUICK, SHAPE, child as _child, vm_rss  # noqa: E402
 
-LIN, FULL = "linear_attention", "full_attention"
-SHAPE = dict(vocab_size=248320, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
-             head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-             linear_key_head_dim=128, linear_value_head_dim=128, intermediate_size=3584,
-             num_hidden_layers=24, layer_types=[LIN, LIN, LIN, FULL] * 6,
-             tie_word_embeddings=True)
-QUICK = dict(SHAPE, vocab_size=32000, num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL])
 PAST, PREFILL, DECODE_STEPS = 512, 512, 8
 PEER = "torch-to-nnef-llm 0.24.12 artifact in tract (f32)"
 
@@ -116,24 +108,6 @@ def run_torch(shape: dict) -> dict:
     return dict(load=0.0, prefill=min(prefill), decode=statistics.median(steps[1:]))
 
 
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes (VmHWM: unlike getrusage's ru_maxrss,
-    which Linux carries across execve, it starts afresh with the process's own image)."""
-    return _status("VmHWM:")
-
-
-def vm_rss() -> int:
-    """This process's resident memory now, in bytes (VmRSS)."""
-    return _status("VmRSS:")
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def bandwidth() -> float:
     """Bytes per second one thread reads (numpy sum over 1 GiB, best of 5)."""
     import numpy as np
@@ -189,25 +163,6 @@ def _seconds(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def _child(kind: str, *args: str, module: str = "bench_generate") -> dict:
-    """Run one engine (``module``'s function ``kind``) in a fresh one-thread process; its
-    figures and peak RSS."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRACT_NUM_THREADS="1",
-               RAYON_NUM_THREADS="1")  # the name tract's binary reads is rayon's
-    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            "import torch; torch.set_num_threads(1); "
-            f"import bench_generate as b, {module} as m; "
-            f"r = m.{kind}(*{list(args)!r}); "
-            "r = r if isinstance(r, dict) else {'value': r}; "
-            "r['peak_rss'] = b.peak_rss(); "
-            "print('RESULT', json.dumps(r))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise RuntimeError(f"{kind} failed: {out.stderr[-2000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def main(argv=None) -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import tarfile
 import time
@@ -425,3 +427,51 @@ def error_cell(error: Optional[float], tolerance: float = 1e-4) -> Optional[str]
     if error is None:
         return None
     return f"{error:.1e}" + ("" if error <= tolerance else " WRONG")
+
+
+# --- the Qwen3.5-0.8B shape and one-thread child processes (bench_generate, peer, ...) -------
+
+LIN, FULL = "linear_attention", "full_attention"
+SHAPE = dict(vocab_size=248320, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+             head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+             linear_key_head_dim=128, linear_value_head_dim=128, intermediate_size=3584,
+             num_hidden_layers=24, layer_types=[LIN, LIN, LIN, FULL] * 6,
+             tie_word_embeddings=True)
+QUICK = dict(SHAPE, vocab_size=32000, num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL])
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (VmHWM: unlike getrusage's ru_maxrss,
+    which Linux carries across execve, it starts afresh with the process's own image)."""
+    return _status("VmHWM:")
+
+
+def vm_rss() -> int:
+    """This process's resident memory now, in bytes (VmRSS)."""
+    return _status("VmRSS:")
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def child(kind: str, *args: str, module: str = "bench_generate") -> dict:
+    """Run one engine (``module``'s function ``kind``) in a fresh one-thread process; its
+    figures and peak RSS."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRACT_NUM_THREADS="1",
+               RAYON_NUM_THREADS="1")  # the name tract's binary reads is rayon's
+    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import torch; torch.set_num_threads(1); "
+            f"import common, {module} as m; "
+            f"r = m.{kind}(*{list(args)!r}); "
+            "r = r if isinstance(r, dict) else {'value': r}; "
+            "r['peak_rss'] = common.peak_rss(); "
+            "print('RESULT', json.dumps(r))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"{kind} failed: {out.stderr[-2000:]}")
+    return json.loads(lines[-1][len("RESULT "):])

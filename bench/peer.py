@@ -335,7 +335,7 @@ def main(argv=None) -> None:
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_generate as b
+    import common
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -343,7 +343,7 @@ def main(argv=None) -> None:
     ap.add_argument("--artifact", default=None, help="skip the export, use this decoder graph")
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args(argv)
-    shape = b.QUICK if args.quick else b.SHAPE
+    shape = common.QUICK if args.quick else common.SHAPE
     folder = args.workdir or Path(tempfile.mkdtemp(prefix="gdn_fx_peer_"))
     if args.artifact:
         art = dict(main=args.artifact)
@@ -352,7 +352,7 @@ def main(argv=None) -> None:
         print("EXPORT", json.dumps(art), flush=True)
         if not art["main"]:
             sys.exit(1)
-    timing = b._child("peer.run_peer", art["main"])  # a fresh one-thread process
+    timing = common.child("peer.run_peer", art["main"])  # a fresh one-thread process
     print("RUN", json.dumps(timing), flush=True)
     if not args.no_check:
         import torch
