@@ -21,7 +21,7 @@ _WHERE = {
     "CollapseResult": "gdn_fx.passes", "Miss": "gdn_fx.passes", "collapse": "gdn_fx.passes",
     "compare_programs": "gdn_fx.passes", "find_unrolled": "gdn_fx.passes",
     "GraphDiff": "gdn_fx.diff", "graph_diff": "gdn_fx.diff",
-    "export_nnef": "gdn_fx.export",
+    "export_nnef": "gdn_fx.export", "ExportOptions": "gdn_fx.lowering.options",
     "Generalized": "gdn_fx.generalization", "generalize": "gdn_fx.generalization",
 }
 
@@ -47,6 +47,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_WHERE))
 
 
-__all__ = ["CollapseResult", "GdnFxError", "GeneralizeRefused", "Generalized", "GraphDiff", "Miss",
+__all__ = ["CollapseResult", "ExportOptions", "GdnFxError", "GeneralizeRefused", "Generalized", "GraphDiff", "Miss",
            "collapse", "compare_programs", "export_nnef", "generalize",
            "find_unrolled", "graph_diff", "ops"]

@@ -26,14 +26,16 @@ def _refuse_unrolled(program) -> None:
                             "at other lengths; collapse it first (gdn_fx.collapse)")
 
 
-def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9",
+def export_nnef(program, path: Union[str, Path], *,
                 dynamic_axes: Optional[Mapping[str, Mapping[int, str]]] = None,
                 input_names: Optional[Sequence[str]] = None,
                 output_names: Optional[Sequence[str]] = None,
-                choose: Optional[Mapping] = None,
-                symbol_min: Optional[Mapping[str, int]] = None,
-                weights: str = "f32", runtime: str = "cpu") -> Path:
+                options=None, **fields) -> Path:
     """Write ``program`` (an ExportedProgram or GraphModule with gdn_fx nodes) as tract NNEF.
+
+    ``options`` is a ``gdn_fx.lowering.options.ExportOptions`` (tract_version, choose,
+    symbol_min, weights, runtime: below); its fields may also be given as keywords
+    (``weights="q4_0"``), which override the record's.
 
     Each ``gated_delta_scan`` / ``causal_conv1d_update`` node is lowered by the first
     candidate of the lowering table (gdn_fx.lowering.table) that accepts it on tract
@@ -85,9 +87,10 @@ def export_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9
     Returns the path written.
     """
     from gdn_fx.lowering import write_nnef
+    from gdn_fx.lowering.options import ExportOptions
 
+    options = ExportOptions.of(options, **fields)  # a bad option fails before any work
     if dynamic_axes:
         _refuse_unrolled(program)
-    return write_nnef(program, path, tract_version=tract_version, dynamic_axes=dynamic_axes,
-                      input_names=input_names, output_names=output_names, choose=choose,
-                      symbol_min=symbol_min, weights=weights, runtime=runtime)
+    return write_nnef(program, path, dynamic_axes=dynamic_axes, input_names=input_names,
+                      output_names=output_names, options=options)

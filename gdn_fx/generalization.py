@@ -106,11 +106,13 @@ class Generalized:
         """The program as NNEF with symbolic S (>= 1) and P (>= 0): ``gdn_fx.export_nnef``
         with this program's dynamic axes (other keywords pass through)."""
         from gdn_fx.export import export_nnef
+        from gdn_fx.lowering.options import ExportOptions
 
-        symbol_min = {"P": 0, **kwargs.pop("symbol_min", {})}
+        options = ExportOptions.of(kwargs.pop("options", None), **kwargs)
+        options = ExportOptions.of(options, symbol_min={"P": 0, **options.symbol_min})
         return export_nnef(self.program, path, dynamic_axes=self.dynamic_axes(input_names),
                            input_names=input_names, output_names=output_names,
-                           symbol_min=symbol_min, **kwargs)
+                           options=options)
 
     def decode_program(self) -> torch.export.ExportedProgram:
         """The program re-traced at S = 1 (P still symbolic): the same computation with static

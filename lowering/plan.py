@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from gdn_fx.lowering.choice import Choice, validate
 from gdn_fx.lowering.fx_nodes import Program, fused_nodes, node_facts, source_module
+from gdn_fx.lowering.options import ExportOptions
 from gdn_fx.lowering.table import Decision, candidate_names, decide
 from gdn_fx.lowering.target import Target
 
@@ -21,15 +22,15 @@ def plan(module: fx.GraphModule, target: Target,
     return [decide(f, target, choice) for f in facts]
 
 
-def plan_lowering(program: Program, *, tract_version: str = "0.23.9",
-                  dynamic_axes: Optional[Mapping] = None,
-                  choose: Optional[Mapping] = None, runtime: str = "cpu") -> list[Decision]:
+def plan_lowering(program: Program, *, dynamic_axes: Optional[Mapping] = None,
+                  options: Optional[ExportOptions] = None, **fields) -> list[Decision]:
     """What ``gdn_fx.export_nnef`` would emit for each fused node, without exporting.
 
     Same arguments as ``export_nnef``; returns the decisions (print them for a table).
     """
-    target = Target.parse(tract_version, dynamic=bool(dynamic_axes), runtime=runtime)
-    return plan(source_module(program), target, choose)
+    options = ExportOptions.of(options, **fields)
+    return plan(source_module(program), options.target(dynamic=bool(dynamic_axes)),
+                options.choose)
 
 
 def summary(decisions: list[Decision]) -> str:

@@ -9,8 +9,9 @@ import torch
 import torch.fx as fx
 
 from gdn_fx.errors import (DTypeError, GdnFxError, LoweringUnsupported, ShapeError,
-                           UnsupportedProgram)
+                           UnsupportedProgram, UsageError)
 from gdn_fx.export import export_nnef
+from gdn_fx.lowering.options import TRACT_VERSION, ExportOptions
 from lowering_programs import CONV, SCAN, SCAN_NAMES, ConvModule, ScanModule, scan_inputs
 
 
@@ -84,6 +85,25 @@ def test_choose_typo_is_refused(tmp_path):
     program = torch.export.export(ScanModule(0.25), scan_inputs())
     with pytest.raises(ValueError, match="gated_delta_scn"):
         export_nnef(program, tmp_path / "m.nnef", choose={"gated_delta_scn": "scan"})
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(weigths="f16"), r"unknown export option weigths; the options are weights"),
+    (dict(weights="bf16"), r"weights='bf16' is not a weight format; use one of f32, f16, q4_0"),
+    (dict(runtime="metal"), r"metal"),
+])
+def test_bad_export_option_is_one_usage_error(fields, message, tmp_path):
+    program = torch.export.export(ScanModule(0.25), scan_inputs())
+    with pytest.raises(UsageError, match=message):
+        export_nnef(program, tmp_path / "m.nnef", **fields)
+    assert not (tmp_path / "m.nnef").exists()  # refused before anything is written
+
+
+def test_options_record_and_keywords_agree():
+    options = ExportOptions(weights="f16")
+    assert ExportOptions.of(options, runtime="cpu") == ExportOptions.of(weights="f16")
+    assert ExportOptions.of(options).weights == "f16"
+    assert ExportOptions().tract_version == TRACT_VERSION
 
 
 def test_not_a_program(tmp_path):

@@ -45,7 +45,7 @@ import numbers
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -132,18 +132,15 @@ EXAMPLE_SEQ, EXAMPLE_PAST = 3, 4
 
 
 def export_batched(model: nn.Module, path: Union[str, Path], batch: int, *,
-                   all_logits: bool = False, tract_version: str = "0.23.9",
-                   choose: Optional[Mapping] = None,
-                   say: Callable[[str], None] = lambda line: None,
-                   weights: str = "f32"):
+                   all_logits: bool = False, say: Callable[[str], None] = lambda line: None,
+                   options=None, **fields):
     """``export_generator(model, path, batch=B)``: the batched graph (module doc)."""
     from gdn_fx.hf.attention import grouped_attention
     from gdn_fx.hf.dropins import reify
-    from gdn_fx.hf.generator import GeneratorFiles, _write_graph, place_graphs
+    from gdn_fx.hf.generator import GeneratorFiles, _write_graph, generator_options, place_graphs
     from gdn_fx.hf.nnef import fused_counts, prepare_for_nnef, stamp_properties, staging
-    from gdn_fx.lowering.t2n.weights import check_format
 
-    check_format(weights)
+    options = generator_options(options, fields)
     batch = check_batch(batch)
     path = Path(path)
     step = BatchStep(prepare_for_nnef(model), batch, last_logits=not all_logits)
@@ -163,12 +160,11 @@ def export_batched(model: nn.Module, path: Union[str, Path], batch: int, *,
                                f"expected {step.expected_fusions}")
     past = {s.name: {s.past_axis: "P"} for s in step.specs if s.past_axis is not None}
     axes = {"input_ids": {1: "S"}, "position_ids": {1: "S"}, "past_mask": {1: "P"}, **past}
-    options = dict(tract_version=tract_version, input_names=step.input_names,
-                   output_names=step.output_names, choose=choose, weights=weights)
+    names = dict(input_names=step.input_names, output_names=step.output_names)
     with staging(path) as folder:
-        written = _write_graph(program, folder / "graph0.nnef", path, axes, options, say)
+        written = _write_graph(program, folder / "graph0.nnef", path, axes, names, options, say)
         stamp_properties(written, {BATCH: str(batch)})
-        place_graphs([written], [path], model, weights)
+        place_graphs([written], [path], model, options.weights)
     return GeneratorFiles(path, None, tuple(step.input_names), tuple(step.output_names),
                           "batched: one graph")
 

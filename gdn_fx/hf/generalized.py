@@ -15,7 +15,7 @@ multi-token branch carries the given states, so it serves S = 1 too.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from gdn_fx.generalization import DEFAULT_POINTS, Generalized, generalize
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.generator import (NOT_ASKED, GeneratorFiles, decode_path, decode_problem,
-                                 place_graphs)
+                                 generator_options, place_graphs)
 from gdn_fx.hf.nnef import prepare_for_nnef, staging
 
 
@@ -40,17 +40,19 @@ def generalize_step(step: DecodeStep, points: Sequence = DEFAULT_POINTS) -> Gene
 
 
 def export_generalized(model: nn.Module, path: Union[str, Path], *, decode: bool = False,
-                       points: Sequence = DEFAULT_POINTS, tract_version: str = "0.23.9",
-                       choose: Optional[Mapping] = None, weights: str = "f32",
-                       say: Callable[[str], None] = lambda line: None) -> GeneratorFiles:
+                       points: Sequence = DEFAULT_POINTS,
+                       say: Callable[[str], None] = lambda line: None, options=None,
+                       **fields) -> GeneratorFiles:
     """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF by the
     generalize route (see the module doc); arguments and result as ``export_generator``'s.
     Raises GeneralizeRefused (naming the node) where no single program serves every S, P."""
+    options = generator_options(options, fields)
+    weights = options.weights
     step = DecodeStep(prepare_for_nnef(model), last_logits=True, whole_windows=True)
     say(f"torch.export at (S, P) = {list(points)}, collapse, generalize")
     gen = generalize_step(step, points)
     names = dict(input_names=step.input_names, output_names=step.output_names,
-                 tract_version=tract_version, choose=choose, weights=weights)
+                 options=options)
     path = Path(path)
     finals = [path, decode_path(path)]
     with staging(path) as folder:  # nothing at path until both graphs are written and checked
@@ -76,5 +78,4 @@ def _write_decode(gen: Generalized, step: DecodeStep, folder: Path, final: Path,
 
     say(f"write {final}")
     past = {k: v for k, v in gen.dynamic_axes(step.input_names).items() if "P" in v.values()}
-    return export_nnef(gen.decode_program(), folder, dynamic_axes=past, symbol_min={"P": 0},
-                       **names)
+    return export_nnef(gen.decode_program(), folder, dynamic_axes=past, **names)

@@ -138,11 +138,14 @@ def decode_program(program: torch.export.ExportedProgram,
 
 
 def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool = False,
-                     all_logits: bool = False, tract_version: str = "0.23.9",
-                     choose: Optional[Mapping] = None,
+                     all_logits: bool = False,
                      say: Callable[[str], None] = lambda line: None,
-                     weights: str = "f32", batch: Optional[int] = None) -> GeneratorFiles:
+                     batch: Optional[int] = None, options=None, **fields) -> GeneratorFiles:
     """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF.
+
+    ``options`` / ``fields``: the export options (``gdn_fx.lowering.options.ExportOptions``:
+    weights, choose, tract_version, runtime), as in ``gdn_fx.export_nnef``; the CPU runtime
+    only for now.
 
     ``batch=B`` writes the batched graph instead (``gdn_fx.hf.batch``: B sequences of their
     own pasts per call, run by ``BatchGenerator``; one graph, no decode graph); the default
@@ -163,18 +166,16 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
     carries the tract property ``gdn_fx_fingerprint`` (config, weights and their storage),
     which :class:`Generator` compares before it runs a pair.
     """
-    from gdn_fx.lowering.t2n.weights import check_format
-
+    options = generator_options(options, fields)
     if batch is not None:
         from gdn_fx.hf.batch import export_batched
 
         if decode:
             raise UsageError("a batched export (batch=B) is one graph: decode=True does not "
                              "apply to it")
-        return export_batched(model, path, batch, all_logits=all_logits,
-                              tract_version=tract_version, choose=choose, say=say,
-                              weights=weights)
-    check_format(weights)
+        return export_batched(model, path, batch, all_logits=all_logits, say=say,
+                              options=options)
+    weights = options.weights
     path = Path(path)
     step = DecodeStep(prepare_for_nnef(model), last_logits=not all_logits, whole_windows=True)
     past = {s.name: {s.past_axis: "P"} for s in step.specs if s.past_axis is not None}
@@ -184,11 +185,10 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
     jobs = [(program, {"input_ids": {1: "S"}, **past})]
     if decode:
         jobs.append((decode_program(program, step), past))
-    options = dict(tract_version=tract_version, input_names=step.input_names,
-                   output_names=step.output_names, choose=choose, weights=weights)
+    names = dict(input_names=step.input_names, output_names=step.output_names)
     with staging(path) as folder:  # nothing at path until both graphs are written and checked
-        written = [_write_graph(exported, folder / f"graph{i}.nnef", finals[i], axes, options,
-                                say) for i, (exported, axes) in enumerate(jobs)]
+        written = [_write_graph(exported, folder / f"graph{i}.nnef", finals[i], axes, names,
+                                options, say) for i, (exported, axes) in enumerate(jobs)]
         note = decode_problem(written[1], written[0], step, weights) if decode \
             else NOT_ASKED
         if note and decode:
@@ -199,12 +199,24 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
                           tuple(step.output_names), note)
 
 
-def _write_graph(program, folder: Path, final: Path, axes: Mapping, options: Mapping,
-                 say: Callable[[str], None]) -> Path:
+def generator_options(options, fields: Mapping):
+    """The export options of a generation-ready export: P may be 0 (no past); the CPU
+    runtime only (the artifact's ops are not yet checked on tract's CUDA runtime)."""
+    from gdn_fx.lowering.options import ExportOptions
+
+    options = ExportOptions.of(options, **fields)
+    if options.runtime != "cpu":
+        raise UsageError(f"runtime={options.runtime!r}: the generation-ready export lowers "
+                         "for the CPU runtime only for now")
+    return ExportOptions.of(options, symbol_min={"P": 0, **options.symbol_min})
+
+
+def _write_graph(program, folder: Path, final: Path, axes: Mapping, names: Mapping,
+                 options, say: Callable[[str], None]) -> Path:
     from gdn_fx.export import export_nnef
 
     say(f"write {final}")
-    return export_nnef(program, folder, dynamic_axes=axes, symbol_min={"P": 0}, **options)
+    return export_nnef(program, folder, dynamic_axes=axes, options=options, **names)
 
 
 def place_graphs(written: Sequence[Path], finals: Sequence[Path], model: nn.Module,

@@ -93,20 +93,18 @@ def export_dynamic(step: DecodeStep, seq_len: int = 8, min_seq: int = 2,
 
 def export_nnef_dynamic(step: DecodeStep, path: Union[str, Path], seq_len: int = 8,
                         min_seq: int = 2, max_seq: Optional[int] = None,
-                        tract_version: str = "0.23.9",
-                        choose: Optional[Mapping] = None) -> Path:
+                        options=None, **fields) -> Path:
     """Write ``step`` as NNEF whose sequence axis is the symbol ``S`` (see module doc).
 
     ``input_ids`` is ``[batch, S]``; states keep their shapes, attention caches grow by S.
-    ``choose`` forces or forbids lowering candidates as in ``gdn_fx.export_nnef``. Verify the
+    ``options`` / ``fields``: the export options, as in ``gdn_fx.export_nnef``. Verify the
     result at several lengths with :func:`check_dynamic`. Returns the path written.
     """
     from gdn_fx.export import export_nnef
 
     program = export_dynamic(step, seq_len, min_seq, max_seq)
-    return export_nnef(program, path, tract_version=tract_version, dynamic_axes=SEQ_AXIS,
-                       input_names=step.input_names, output_names=step.output_names,
-                       choose=choose)
+    return export_nnef(program, path, dynamic_axes=SEQ_AXIS, input_names=step.input_names,
+                       output_names=step.output_names, options=options, **fields)
 
 
 def check_dynamic(step: DecodeStep, path: Union[str, Path],

@@ -169,13 +169,14 @@ def _load_buffers(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype) 
 
 
 def export_checkpoint(folder: Union[str, Path], path: Union[str, Path], *,
-                      weights: str = "f32", stream: bool = True, dtype: str = "f32",
+                      stream: bool = True, dtype: str = "f32",
                       say: Callable[[str], None] = lambda line: None, **options):
     """Write the checkpoint ``folder`` (config.json + safetensors) as a generation-ready NNEF
-    at ``path`` (``export_generator``'s artifact; ``options`` are its keyword arguments).
+    at ``path`` (``export_generator``'s artifact; ``options`` are its keyword arguments, the
+    export options ``weights=``, ``choose=``, ... among them).
 
     stream: True (the default here) traces the model without its weights and writes each
-    weight from the safetensors files, converted to ``weights`` on the way (see the module
+    weight from the safetensors files, converted to the weight format on the way (see the module
     doc); peak memory does not grow with the model's f32 size. False: the in-memory route
     (``from_pretrained`` in ``dtype``, then ``export_generator``). Returns GeneratorFiles.
     """
@@ -188,13 +189,13 @@ def export_checkpoint(folder: Union[str, Path], path: Union[str, Path], *,
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).eval()
-        return export_generator(model, path, weights=weights, say=say, **options)
+        return export_generator(model, path, say=say, **options)
     if options.get("decode"):
         raise UsageError("--stream writes one graph: the decode graph is checked against "
                          "the model's outputs, and a streamed export never holds its weights")
     model, placeholders = placeholder_model(folder, DTYPES[dtype])
     with streaming(placeholders):
-        return export_generator(model, path, weights=weights, say=say, **options)
+        return export_generator(model, path, say=say, **options)
 
 
 SKIPPED_CHECK = ("skipped (--stream: the weights never are in memory; gdn-fx generate --check "

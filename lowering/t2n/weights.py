@@ -31,10 +31,10 @@ import torch
 import torch.fx as fx
 
 from gdn_fx.errors import UsageError
+from gdn_fx.lowering.options import check_format
 
 aten = torch.ops.aten
 LOG = logging.getLogger("gdn_fx.lowering")
-FORMATS = ("f32", "f16", "q4_0")
 Q4_GROUP = 32  # tract's Q4_0 block: 32 weights along the reduction axis
 # Ops that hand the matrix product's weight on unchanged or transposed (rank 2).
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
@@ -53,13 +53,6 @@ class WeightReport:
         """One line for the NNEF's properties and logs."""
         return f"{self.weights}: {len(self.converted)} converted, {len(self.kept)} kept"
 
-
-def check_format(weights: str) -> str:
-    """``weights`` when it names a format, else UsageError listing the formats."""
-    if weights not in FORMATS:
-        raise UsageError(f"weights={weights!r} is not a weight format; use one of "
-                         f"{', '.join(FORMATS)}")
-    return weights
 
 
 def apply_weights(module: fx.GraphModule, weights: str) -> WeightReport:

@@ -20,6 +20,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 
 from gdn_fx.errors import ExportRefused, LoweringUnsupported, UsageError
+from gdn_fx.lowering.options import ExportOptions
 from gdn_fx.lowering.plan import fallbacks, plan, summary
 from gdn_fx.lowering.t2n import program as prog
 from gdn_fx.lowering.t2n import streamed
@@ -31,23 +32,20 @@ from gdn_fx.lowering.t2n.offline_target import offline_tract_target
 from gdn_fx.lowering.t2n.scan_reset import needs_reset, reset_cumsum_scans
 from gdn_fx.lowering.t2n.unused_inputs import (declare_unused, drop_unused, rewrite_graph_file,
                                                unused_inputs)
-from gdn_fx.lowering.t2n.weights import apply_weights, check_format
-from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE, RUNTIME_ATTRIBUTE, Target, check_runtime
+from gdn_fx.lowering.t2n.weights import apply_weights
+from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE, RUNTIME_ATTRIBUTE, Target
 from gdn_fx.passes.hop import describe, loop_hops
 
 PLUGIN = "gdn_fx.lowering.t2n.plugin"
 
 
-def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9",
+def write_nnef(program, path: Union[str, Path], *,
                dynamic_axes: Optional[Mapping] = None,
                input_names: Optional[Sequence[str]] = None,
                output_names: Optional[Sequence[str]] = None,
-               choose: Optional[Mapping] = None,
-               symbol_min: Optional[Mapping[str, int]] = None, weights: str = "f32",
-               runtime: str = "cpu") -> Path:
+               options: Optional[ExportOptions] = None, **fields) -> Path:
     """Write ``program`` as tract NNEF; the arguments are ``gdn_fx.export_nnef``'s."""
-    check_format(weights)
-    check_runtime(runtime)
+    options = ExportOptions.of(options, **fields)
     path = Path(path)
     writer_path, compression = _writer_settings(path)
     module = prog.traceable_module(program)
@@ -55,11 +53,10 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
     # Sizes may differ from the traced ones at run time only where a declared dynamic axis is
     # static in the program; axes the program holds symbolic are vouched for by torch.export,
     # and its static sizes then stay what they are (a decode graph's S = 1 beside a symbolic P).
-    target = Target.parse(tract_version, dynamic=bool(frozen_axes(module, dynamic_axes, names)),
-                          runtime=runtime)
+    target = options.target(dynamic=bool(frozen_axes(module, dynamic_axes, names)))
     _refuse_loop_hops(module)
     prog.refuse_bfloat16(module)
-    moe, choose = split_choice(choose)  # choose["transformers_moe"], not a table entry
+    moe, choose = split_choice(options.choose)  # choose["transformers_moe"], not a table entry
     if moe == FUSED:  # before the fixes: else plain (moe.py)
         fuse_moe_blocks(module, target)
     apply_fixes(module)
@@ -67,9 +64,9 @@ def write_nnef(program, path: Union[str, Path], *, tract_version: str = "0.23.9"
         refuse_frozen_axes(module, dynamic_axes, names)
     decisions = plan(module, target, choose)  # logs every decision and rejection
     to_bridge(module, {d.node: d.candidate for d in decisions})
-    stored = apply_weights(module, weights)  # t2n/weights.py: f32, f16 or q4_0 storage
+    stored = apply_weights(module, options.weights)  # t2n/weights.py: f32, f16 or q4_0
     return _write(module, writer_path, compression, target, dynamic_axes, decisions,
-                  names, list(output_names) if output_names else None, symbol_min or {},
+                  names, list(output_names) if output_names else None, options.symbol_min,
                   stored.summary())
 
 
