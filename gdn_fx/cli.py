@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                         "transformers on the stored weights")
     export.add_argument("--runtime", choices=("cpu", "cuda"), default="cpu",
                         help="the tract runtime the NNEF is lowered for (the lowering table's "
-                        "order and device checks follow it); with --seq-len or --dynamic-seq")
+                        "order and device checks follow it); not with --generalize, --stream")
     export.add_argument("--generalize", action="store_true",
                         help="generation-ready route without reify: torch.export at fixed "
                         "(S, P), collapse, gdn_fx.generalize to symbolic S and P")
@@ -126,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="feed the prompt in calls of N tokens (default: the longest "
                           "chunk whose activations fit the L2 cache; 0: the whole prompt in "
                           "one call)")
+    generate.add_argument("--runtime", choices=("cpu", "cuda"), default="cpu",
+                          help="the tract runtime that runs the export (cuda: tract's CUDA "
+                          "runtime; the default prompt chunk is then the whole prompt)")
     generate.add_argument("--no-decode", action="store_true",
                           help="let the main graph serve decode (ignore X.decode.nnef.tgz)")
     generate.add_argument("--check", action="store_true",
@@ -345,7 +348,7 @@ def _generate(args) -> int:
     chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
     with _pair_warnings_in_one_line():
         generator = Generator.open(args.nnef, use_decode=not args.no_decode,
-                                   prefill_chunk=chunk)
+                                   prefill_chunk=chunk, runtime=args.runtime)
     result = generator.generate(prompt, args.max_new_tokens, progress=True)
     print("tokens: " + ",".join(map(str, result.tokens)))
     print(f"tract: {result.rates()}")

@@ -37,11 +37,15 @@ def check(args: argparse.Namespace) -> None:
     if getattr(args, "stream", False) and (args.seq_len is not None or args.dynamic_seq):
         raise UsageError("--stream writes the generation-ready export: no --seq-len, "
                          "--dynamic-seq")
-    if getattr(args, "runtime", "cpu") != "cpu" and args.seq_len is None and \
-            not args.dynamic_seq:
-        raise UsageError(f"--runtime {args.runtime}: the generation-ready export "
-                         "(gdn_fx.hf.generator) lowers for the CPU runtime only for now; give "
-                         "--seq-len N (one step) or --dynamic-seq")
+    if args.command == "generate" and args.runtime != "cpu" and args.batch is not None:
+        raise UsageError(f"--runtime {args.runtime}: --batch (gdn_fx.hf.batch) runs on the "
+                         "CPU runtime only")
+    if args.command == "export" and args.runtime != "cpu":
+        for flag in ("generalize", "stream"):
+            if getattr(args, flag, False):
+                raise UsageError(f"--runtime {args.runtime}: --{flag} lowers for the CPU "
+                                 "runtime only; the reify route (without it) lowers for "
+                                 f"{args.runtime}")
     if getattr(args, "family", None) is not None:
         check_family(args.family)
     if getattr(args, "config", None) is not None:

@@ -215,7 +215,8 @@ def _load(args):
         raise UsageError(f"--nnef {args.nnef} does not exist")
     chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
     start = time.perf_counter()  # said once loaded: a refusal stays the one line on stderr
-    generator = Generator.open(args.nnef, use_decode=not args.no_decode, prefill_chunk=chunk)
+    generator = Generator.open(args.nnef, use_decode=not args.no_decode, prefill_chunk=chunk,
+                               runtime=args.runtime)
     graphs = "main and decode graphs" if generator.decode is not generator.main else \
         "main graph (serves decode)"
     print(f"[load] {args.nnef}: {graphs} in {time.perf_counter() - start:.2f} s",

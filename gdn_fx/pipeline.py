@@ -180,6 +180,7 @@ class GeneratorReport:
     check: object = None  # GenerationCheck, or None when not checked
     rates: str = ""
     seconds: dict = field(default_factory=dict)
+    checked_on: str = "cpu"  # the tract runtime the check ran on (and why, when not the target's)
 
     @property
     def ok(self) -> bool:
@@ -218,7 +219,7 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
     else:
         with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"):
             files = export_generator(model, job.out, say=say, weights=job.weights,
-                                     decode=job.decode_graph)
+                                     decode=job.decode_graph, runtime=job.runtime)
     report.files = files
     report.expected = DecodeStep(model).expected_fusions
     report.decisions = {p: tract_check.read_decisions(p) for p in (files.main, files.decode)
@@ -230,9 +231,11 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
         low, high = SAFE_TOKEN_RANGE
         prompt = torch.randint(low, high, (CHECK_PROMPT,),
                                generator=torch.Generator().manual_seed(job.seed)).tolist()
-        with _timed(report, "generate", say, f"tract: {CHECK_TOKENS} greedy tokens, compared "
-                    "with transformers' generate"):
-            result = Generator(files.main, files.decode).generate(prompt, CHECK_TOKENS)
+        runtime, report.checked_on = _check_runtime(job.runtime)
+        with _timed(report, "generate", say, f"tract ({runtime}): {CHECK_TOKENS} greedy "
+                    "tokens, compared with transformers' generate"):
+            generator = Generator(files.main, files.decode, runtime=runtime)
+            result = generator.generate(prompt, CHECK_TOKENS)
             # compressed weights: against transformers on the weights the NNEF stores
             reference = model if job.weights == "f32" else with_stored_weights(model, files.main)
             report.check = check_generation(reference, result)
@@ -257,7 +260,8 @@ def render_generator(report: GeneratorReport) -> str:
         lines.append(f"lowering of {Path(path).name}: " + ", ".join(
             f"{node} -> {candidate}" for node, candidate in decided.items()))
     if report.check is not None:
-        lines.append(f"tract generate vs transformers: {report.check}")
+        on = "" if report.checked_on == "cpu" else f"; tract runtime {report.checked_on}"
+        lines.append(f"tract generate vs transformers: {report.check}{on}")
         lines.append(f"tract speed: {report.rates}")
     lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items()))
     lines.append("OK" if report.ok else "NOT OK")

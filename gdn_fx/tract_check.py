@@ -52,13 +52,20 @@ def runtime_unavailable(runtime: str) -> Optional[str]:
     return None
 
 
-def load(path: Union[str, Path], runtime: str = "cpu"):
+def load(path: Union[str, Path], runtime: str = "cpu", transforms: Sequence[str] = (),
+         names: Optional[list] = None):
     """The NNEF at ``path`` (folder, .tar or .tgz) loaded and optimized by tract for
-    ``runtime``: "cpu" (``into_runnable``) or "cuda" (``runtime_for_name("cuda").prepare``).
+    ``runtime``: "cpu" (``into_runnable``) or "cuda" (``runtime_for_name("cuda").prepare``),
+    after tract's model ``transforms`` (names, e.g. "detect_kv_cache"), if any; ``names``, a
+    list, receives the model's input names as the runnable takes them.
     RuntimeUnavailable when tract has no such runtime here."""
     import tract
 
     model = tract.nnef().with_tract_transformers().load(str(path))
+    for transform in transforms:
+        model.transform(transform)
+    if names is not None:
+        names.extend(model.input_name(i) for i in range(model.input_count()))
     if check_runtime(runtime) == "cpu":
         runnable = model.into_runnable()
     else:

@@ -140,7 +140,7 @@ def export_batched(model: nn.Module, path: Union[str, Path], batch: int, *,
     from gdn_fx.hf.generator import GeneratorFiles, _write_graph, generator_options, place_graphs
     from gdn_fx.hf.nnef import fused_counts, prepare_for_nnef, stamp_properties, staging
 
-    options = generator_options(options, fields)
+    options = generator_options(options, fields, "a batched export (batch=B)")
     batch = check_batch(batch)
     path = Path(path)
     step = BatchStep(prepare_for_nnef(model), batch, last_logits=not all_logits)

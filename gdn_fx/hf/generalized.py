@@ -46,7 +46,7 @@ def export_generalized(model: nn.Module, path: Union[str, Path], *, decode: bool
     """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF by the
     generalize route (see the module doc); arguments and result as ``export_generator``'s.
     Raises GeneralizeRefused (naming the node) where no single program serves every S, P."""
-    options = generator_options(options, fields)
+    options = generator_options(options, fields, "the generalized export (gdn_fx.generalize)")
     weights = options.weights
     step = DecodeStep(prepare_for_nnef(model), last_logits=True, whole_windows=True)
     say(f"torch.export at (S, P) = {list(points)}, collapse, generalize")

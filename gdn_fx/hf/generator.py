@@ -144,8 +144,11 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
     """Write ``model`` (a transformers hybrid causal LM) as a generation-ready NNEF.
 
     ``options`` / ``fields``: the export options (``gdn_fx.lowering.options.ExportOptions``:
-    weights, choose, tract_version, runtime), as in ``gdn_fx.export_nnef``; the CPU runtime
-    only for now.
+    weights, choose, tract_version, runtime), as in ``gdn_fx.export_nnef``. ``runtime`` is the
+    tract runtime the graphs are lowered for: "cpu" (the default) or "cuda" (the lowering
+    table's CUDA order and device checks; the NNEF records it, ``tract_check.read_runtime``).
+    Run a "cuda" export with ``Generator(..., runtime="cuda")``; the file computes the same on
+    either runtime. A batched export lowers for the CPU only.
 
     ``batch=B`` writes the batched graph instead (``gdn_fx.hf.batch``: B sequences of their
     own pasts per call, run by ``BatchGenerator``; one graph, no decode graph); the default
@@ -199,15 +202,16 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
                           tuple(step.output_names), note)
 
 
-def generator_options(options, fields: Mapping):
-    """The export options of a generation-ready export: P may be 0 (no past); the CPU
-    runtime only (the artifact's ops are not yet checked on tract's CUDA runtime)."""
+def generator_options(options, fields: Mapping, cpu_only: str = ""):
+    """The export options of a generation-ready export: P may be 0 (no past). ``cpu_only``
+    names a route that lowers for the CPU runtime only (its ops are not checked on tract's
+    CUDA runtime): another runtime is then a UsageError."""
     from gdn_fx.lowering.options import ExportOptions
 
     options = ExportOptions.of(options, **fields)
-    if options.runtime != "cpu":
-        raise UsageError(f"runtime={options.runtime!r}: the generation-ready export lowers "
-                         "for the CPU runtime only for now")
+    if cpu_only and options.runtime != "cpu":
+        raise UsageError(f"runtime={options.runtime!r}: {cpu_only} lowers for the CPU "
+                         "runtime only")
     return ExportOptions.of(options, symbol_min={"P": 0, **options.symbol_min})
 
 
@@ -407,10 +411,20 @@ _COMPARE = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a,
             "<": lambda a, b: a < b, "==": lambda a, b: a == b}
 
 
-def load_graph(path: Union[str, Path]) -> LoadedGraph:
-    """Load ``path`` in tract and read its declarations; one-line errors (MissingFile,
-    ArtifactError) for a file that is not there or that tract cannot load (truncated, not
-    NNEF): tract's own reason, first lines only."""
+# tract-transformers' model transform that folds each `cat(past, new)` read by a graph output
+# (an attention cache) into a stateful DynKeyValueCache op: the State keeps that cache (on the
+# GPU under tract's CUDA runtime) and the graph loses those inputs and outputs.
+KV_IN_STATE = "detect_kv_cache"
+
+
+def load_graph(path: Union[str, Path], runtime: str = "cpu",
+               kv_in_state: bool = False) -> LoadedGraph:
+    """Load ``path`` in tract for ``runtime`` ("cpu", or "cuda": prepared by tract's CUDA
+    runtime) and read its declarations; one-line errors (MissingFile, ArtifactError) for a
+    file that is not there or that tract cannot load (truncated, not NNEF): tract's own
+    reason, first lines only; RuntimeUnavailable, with tract's reason, where tract has no
+    such runtime. ``kv_in_state``: the attention caches are folded into the State
+    (``KV_IN_STATE``); the graph's ``inputs`` are then the ones left."""
     import tract
 
     from gdn_fx import tract_check
@@ -419,12 +433,14 @@ def load_graph(path: Union[str, Path]) -> LoadedGraph:
     if not path.exists():
         raise MissingFile(f"NNEF {path} does not exist")
     try:
-        runnable = tract_check.load(path)
+        names: list = []
+        runnable = tract_check.load(path, runtime, (KV_IN_STATE,) if kv_in_state else (),
+                                    names)
         text = tract_check.nnef_text(path)
     except (tract.TractError, OSError, EOFError, tarfile.TarError, UnicodeDecodeError) as error:
         raise ArtifactError(f"tract cannot load {path}: {_first_lines(error)}") from None
     inputs = tuple((name, tuple(_dim(d) for d in dims.split(",")), datum)
-                   for name, dims, datum in EXTERNAL.findall(text))
+                   for name, dims, datum in EXTERNAL.findall(text) if name in names)
     bounds = tuple((sym, op, int(value)) for sym, op, value in _ASSERT.findall(text))
     properties = {key: value for key, value in _PROPERTY.findall(text)}
     logits = str(runnable.output_fact(0)).split(",")
@@ -516,6 +532,16 @@ def prompt_list(prompt_ids) -> list:
 class Generator:
     """Greedy decoding in tract over a generator artifact (and its decode graph, if given).
 
+    ``runtime`` is the tract runtime that runs the graphs: "cpu", or "cuda" (prepared with
+    ``tract.runtime_for_name("cuda")``; RuntimeUnavailable, with tract's reason, where there
+    is none); either runs any export, best the one lowered for it (``export_generator(...,
+    runtime=)``); on "cuda" the default prompt chunk is the whole prompt (the L2 rule is a CPU
+    matmul's, and every GPU call pays a fixed cost). ``kv_in_state=True`` (one graph only)
+    folds the attention caches into the tract State (``KV_IN_STATE``): they stay there, on the
+    GPU under CUDA, instead of travelling in and out on every call; the caches passed and
+    returned are then the other states (conv, recurrent), and a call on numpy caches (a new
+    sequence: the zero states) starts a fresh State.
+
     One tract State per graph is spawned once and kept across calls, as an application runs
     it; the cache travels as explicit tensors from one call's outputs to the next's inputs.
     A prompt longer than ``prefill_chunk`` tokens is fed in calls of that many (the artifact
@@ -530,25 +556,37 @@ class Generator:
     """
 
     def __init__(self, main: Union[str, Path], decode: Optional[Union[str, Path]] = None,
-                 prefill_chunk: Union[int, str, None] = "auto"):
-        self.main_graph = load_graph(main)
+                 prefill_chunk: Union[int, str, None] = "auto", runtime: str = "cpu",
+                 kv_in_state: bool = False):
+        from gdn_fx.lowering.target import check_runtime
+
+        self.runtime = check_runtime(runtime)
+        if kv_in_state and decode:
+            raise UsageError("kv_in_state keeps the attention caches in one tract State: it "
+                             "takes one graph, not a main / decode pair")
+        self.main_graph = load_graph(main, runtime, kv_in_state)
         if self.main_graph.properties.get("gdn_fx_batch"):  # gdn_fx.hf.batch.BATCH
             raise ArtifactError(f"{main} is a batched artifact (B = "
                                 f"{self.main_graph.properties['gdn_fx_batch']}): run it with "
                                 "gdn_fx.hf.batch.BatchGenerator")
-        self.decode_graph = load_graph(decode) if decode else self.main_graph
+        self.decode_graph = load_graph(decode, runtime) if decode else self.main_graph
         if decode:
             check_pair(self.main_graph, self.decode_graph)
         self.main = self.main_graph.runnable.spawn_state()
         self.decode = self.decode_graph.runnable.spawn_state() if decode else self.main
         text = self.main_graph.text
-        self.zero_states = _zero_states(text)
+        kept = {name for name, _, _ in self.main_graph.inputs}
+        self.zero_states = [zero for (name, _, _), zero in
+                            zip(EXTERNAL.findall(text)[1:], _zero_states(text)) if name in kept]
+        # caches the State holds (folded attention caches): a call on numpy caches starts a
+        # new sequence, so it needs a State holding none
+        self.kv_in_state = len(kept) < len(EXTERNAL.findall(text))
         vocab = self.main_graph.properties.get(VOCAB, "")
         self.vocab = int(vocab) if vocab.isdigit() else self.main_graph.logits_width
         if prefill_chunk == "auto":  # the lowering knows its scans' step (lowering/prefill.py)
             from gdn_fx.lowering.prefill import auto_prefill_chunk
 
-            prefill_chunk = auto_prefill_chunk(text)
+            prefill_chunk = auto_prefill_chunk(text) if runtime == "cpu" else None
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
                 prefill_chunk, numbers.Integral) or prefill_chunk < 1):
             raise UsageError(f"prefill_chunk must be an int >= 1 (or None), got "
@@ -557,15 +595,16 @@ class Generator:
 
     @classmethod
     def open(cls, main: Union[str, Path], use_decode: bool = True,
-             prefill_chunk: Union[int, str, None] = "auto") -> "Generator":
+             prefill_chunk: Union[int, str, None] = "auto",
+             runtime: str = "cpu", kv_in_state: bool = False) -> "Generator":
         """The export at ``main`` with the decode graph written beside it
         (``decode_path(main)``), as ``gdn-fx generate`` runs it. ArtifactError when the
         export had a decode graph (its main graph says so) that is not there; with
         ``use_decode=False`` the main graph serves decode."""
         decode = decode_path(main)
         if use_decode and decode.exists():
-            return cls(main, decode, prefill_chunk)
-        generator = cls(main, None, prefill_chunk)
+            return cls(main, decode, prefill_chunk, runtime, kv_in_state)
+        generator = cls(main, None, prefill_chunk, runtime, kv_in_state)
         declared = generator.main_graph.properties.get(DECODE)
         if use_decode and declared:
             raise ArtifactError(f"{main} was exported with a decode graph (written as "
@@ -632,6 +671,8 @@ class Generator:
         graph = self._graph_of(state)
         ids = self.check_ids(ids, graph)
         _check_caches(caches, graph)
+        if self.kv_in_state and any(isinstance(c, np.ndarray) for c in caches):
+            state = self.main = self.decode = self.main_graph.runnable.spawn_state()
         outputs = state.run([ids, *caches])
         return outputs[0].to_numpy()[:, -1], outputs[1:]
 
