@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--runtime", choices=("cpu", "cuda"), default="cpu",
                           help="the tract runtime that runs the export (cuda: tract's CUDA "
                           "runtime; the default prompt chunk is then the whole prompt)")
+    generate.add_argument("--kv-in-state", action="store_true",
+                          help="keep the attention caches inside tract's State (on the GPU "
+                          "under --runtime cuda) instead of passing them in and out each call")
     generate.add_argument("--no-decode", action="store_true",
                           help="let the main graph serve decode (ignore X.decode.nnef.tgz)")
     generate.add_argument("--check", action="store_true",
@@ -348,7 +351,8 @@ def _generate(args) -> int:
     chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
     with _pair_warnings_in_one_line():
         generator = Generator.open(args.nnef, use_decode=not args.no_decode,
-                                   prefill_chunk=chunk, runtime=args.runtime)
+                                   prefill_chunk=chunk, runtime=args.runtime,
+                                   kv_in_state=args.kv_in_state)
     result = generator.generate(prompt, args.max_new_tokens, progress=True)
     print("tokens: " + ",".join(map(str, result.tokens)))
     print(f"tract: {result.rates()}")

@@ -216,7 +216,7 @@ def _load(args):
     chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
     start = time.perf_counter()  # said once loaded: a refusal stays the one line on stderr
     generator = Generator.open(args.nnef, use_decode=not args.no_decode, prefill_chunk=chunk,
-                               runtime=args.runtime)
+                               runtime=args.runtime, kv_in_state=args.kv_in_state)
     graphs = "main and decode graphs" if generator.decode is not generator.main else \
         "main graph (serves decode)"
     print(f"[load] {args.nnef}: {graphs} in {time.perf_counter() - start:.2f} s",
