@@ -159,7 +159,7 @@ def kernel_time(call) -> dict:
             copies, copy_ms = copies + 1, copy_ms + event.device_time / 1e3
         else:
             kernels, kernel_ms = kernels + 1, kernel_ms + event.device_time / 1e3
-    return dict(kv_in_state=kv_in_state, kernels=kernels, kernel_ms=kernel_ms, copies=copies, copy_ms=copy_ms)
+    return dict(kernels=kernels, kernel_ms=kernel_ms, copies=copies, copy_ms=copy_ms)
 
 
 def run_tiny(folder: Path, out: Path) -> list:
@@ -197,15 +197,23 @@ def run_tiny(folder: Path, out: Path) -> list:
     return rows
 
 
-def time_tract(path: Path, kv_in_state: bool = False) -> dict:
+def time_tract(path: Path, kv_in_state: bool = False, transform: str = "") -> dict:
     """Load, prefill PREFILL tokens in one call (best and median of PREFILL_RUNS, fresh zero
     caches each), then DECODE_STEPS tokens after them (median, first step left out).
     ``kv_in_state``: the attention caches stay in tract's State (on the GPU), folded there by
-    tract's "detect_kv_cache" transform (Generator(kv_in_state=True))."""
+    tract's "detect_kv_cache" transform (Generator(kv_in_state=True)). ``transform``: an
+    experiment, another tract transform in its place ("transformers_detect_all": the same,
+    then tract's rope / softmax / SDPA pattern rules), set on the module for this load."""
+    from gdn_fx.hf import generator
     from gdn_fx.hf.generator import Generator
 
-    start = time.perf_counter()
-    gen = Generator(path, runtime=RUNTIME, prefill_chunk=None, kv_in_state=kv_in_state)
+    kept = generator.KV_IN_STATE
+    generator.KV_IN_STATE = transform or kept
+    try:
+        start = time.perf_counter()
+        gen = Generator(path, runtime=RUNTIME, prefill_chunk=None, kv_in_state=kv_in_state)
+    finally:
+        generator.KV_IN_STATE = kept
     load = time.perf_counter() - start
     ids = (np.arange(PREFILL, dtype=np.int64)[None] % 1000) + 3
     runs = []
@@ -225,7 +233,7 @@ def time_tract(path: Path, kv_in_state: bool = False) -> dict:
     kernels = dict(decode=guarded(kernel_time, lambda: gen.step(gen.decode, token, caches)),
                    prefill=guarded(kernel_time, lambda: gen.step(
                        gen.main, ids, [z.copy() for z in gen.zero_states])))
-    return dict(kv_in_state=kv_in_state, kernels=kernels, load_s=load, prefill_s=min(runs), prefill_median_s=statistics.median(runs),
+    return dict(kv_in_state=kv_in_state, transform=transform, kernels=kernels, load_s=load, prefill_s=min(runs), prefill_median_s=statistics.median(runs),
                 decode_s=statistics.median(steps[1:]), finite=bool(np.isfinite(logits).all()),
                 decode_profile=op_split(runnable, [token, *caches]),
                 prefill_profile=op_split(runnable, [ids, *gen.zero_states]))
@@ -268,6 +276,7 @@ def sync() -> None:
 
 def table(tract_times: dict, torch_times: dict) -> str:
     kv = ", attention caches in the State" if tract_times.get("kv_in_state") else ""
+    kv += f" ({tract_times['transform']})" if tract_times.get("transform") else ""
     rows = [(f"tract CUDA, gdn-fx generator artifact (f16){kv}", tract_times),
             ("torch eager, transformers (f16)", torch_times)]
     lines = [f"| engine (Qwen3.5-0.8B shape, H200) | decode ms/token at P = {PAST} | "
@@ -304,8 +313,10 @@ def run(folder: Path, out: Path, parts: set) -> None:
     if "kv" in parts and (folder / BIG).exists():
         found["kv_on_device"] = guarded(time_tract, folder / BIG, True)
         print(table(found["kv_on_device"], found.get("torch", {})), flush=True)
+        found["detect_all"] = guarded(time_tract, folder / BIG, True, "transformers_detect_all")
+        print(table(found["detect_all"], found.get("torch", {})), flush=True)
     (out / "results.json").write_text(json.dumps(found, indent=1, default=str))
-    for key in ("tract", "kv_on_device"):
+    for key in ("tract", "kv_on_device", "detect_all"):
         for phase in ("decode_profile", "prefill_profile"):
             profile = found.get(key, {}).get(phase)
             if profile:
@@ -318,7 +329,7 @@ def run(folder: Path, out: Path, parts: set) -> None:
                 print(f"{key} {phase}: gpu {profile['gpu'] * 1e3:.2f} ms, transfer "
                       f"{profile['transfer'] * 1e3:.2f} ms, cpu {profile['cpu'] * 1e3:.2f} ms; "
                       f"cpu ops: {ops}", flush=True)
-    for key in ("tract", "kv_on_device"):
+    for key in ("tract", "kv_on_device", "detect_all"):
         if "kernels" in found.get(key, {}):
             print(f"{key} GPU work per call (CUPTI):", found[key]["kernels"], flush=True)
 
