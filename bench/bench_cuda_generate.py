@@ -96,7 +96,7 @@ def patterned(model) -> None:
 
 
 def prepare_big(folder: Path) -> str:
-    from bench_generate import SHAPE
+    from common import SHAPE
 
     from gdn_fx.hf import tiny_model
     from gdn_fx.hf.generator import export_generator
@@ -242,7 +242,7 @@ def time_tract(path: Path, kv_in_state: bool = False, transform: str = "") -> di
 def time_torch() -> dict:
     """torch eager (transformers, f16) on the GPU: prefill PREFILL tokens from an empty
     cache, then decode after them, each call synchronized."""
-    from bench_generate import SHAPE
+    from common import SHAPE
 
     from gdn_fx.hf import tiny_model
 
