@@ -215,25 +215,3 @@ def test_loading_for_a_missing_runtime_says_why(tmp_path):
     with pytest.raises(RuntimeUnavailable, match="tract has no cuda runtime here"):
         tract_check.load(path, "cuda")
     assert tract_check.runtime_unavailable("cpu") is None
-
-
-def test_cli_refuses_cuda_for_the_cpu_only_generation_routes(tmp_path, capsys):
-    """The reify route lowers for CUDA (tests/test_generator_cuda.py); --generalize and
-    --stream do not, and say so in one line before any work."""
-    for flag in ("--generalize", "--stream"):
-        status = main(["export", "--family", "qwen3_5", "--out", str(tmp_path / "m.nnef.tgz"),
-                       "--runtime", "cuda", flag])
-        assert status == 2
-        assert f"--runtime cuda: {flag} lowers for the CPU runtime only" in \
-            capsys.readouterr().err
-    assert not (tmp_path / "m.nnef.tgz").exists()
-
-
-def test_batched_export_refuses_cuda_before_any_work(tmp_path):
-    from gdn_fx.hf import tiny_model
-    from gdn_fx.hf.generator import export_generator
-
-    with pytest.raises(UsageError, match="a batched export .batch=B. lowers for the CPU"):
-        export_generator(tiny_model("qwen3_5"), tmp_path / "b.nnef.tgz", batch=2,
-                         runtime="cuda")
-    assert not (tmp_path / "b.nnef.tgz").exists()
