@@ -25,6 +25,7 @@ Run "gdn-fx COMMAND --help" for a command's options.""",
   gdn-fx export --family qwen3_5 --out out/q.nnef.tgz     # one graph: every S, decode too
   gdn-fx export --family qwen3_5 --out out/q.nnef.tgz --decode-graph  # + q.decode.nnef.tgz
   gdn-fx export --model CHECKPOINT_DIR --out out/m.nnef.tgz --weights q4_0
+  gdn-fx export --family qwen3_5 --out out/q8.nnef.tgz --batch 8   # 8 sequences per call
   gdn-fx export --config config.json --seq-len 8 --out out/step.nnef.tgz
 
 {families}
@@ -114,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --model: trace without the weights and write each one from "
                         "the safetensors files, converted on the way (memory does not grow "
                         "with the model's f32 size; the tract check is skipped)")
+    export.add_argument("--batch", type=int, default=None, metavar="B",
+                        help="the batched graph instead: B sequences of their own past lengths "
+                        "per call (inputs position_ids and past_mask beside input_ids), run by "
+                        "generate --prompts-file F --batch B (gdn_fx.hf.batch; CPU runtime, "
+                        "not with --generalize, --decode-graph, --stream)")
     export.add_argument("--no-check", action="store_true",
                         help="skip the short tract generation compared with transformers")
     generate = _subparser(sub, "generate", "generation in tract from an export: text or "
@@ -286,7 +292,7 @@ def _dispatch(args) -> int:
               seq_len=args.seq_len or 1, dynamic_seq=args.dynamic_seq, dtype=args.dtype,
               seed=args.seed, weights=args.weights,
               route="generalize" if args.generalize else "reify", runtime=args.runtime,
-              decode_graph=args.decode_graph, stream=args.stream)
+              decode_graph=args.decode_graph, stream=args.stream, batch=args.batch)
     if args.seq_len is None and not args.dynamic_seq:
         return _export_generator(job, check=not args.no_check)
     return _export(job)

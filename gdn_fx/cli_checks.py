@@ -37,6 +37,8 @@ def check(args: argparse.Namespace) -> None:
     if getattr(args, "stream", False) and (args.seq_len is not None or args.dynamic_seq):
         raise UsageError("--stream writes the generation-ready export: no --seq-len, "
                          "--dynamic-seq")
+    if args.command == "export" and args.batch is not None:
+        _check_batched_export(args)
     if args.command == "generate" and args.runtime != "cpu" and args.batch is not None:
         raise UsageError(f"--runtime {args.runtime}: --batch (gdn_fx.hf.batch) runs on the "
                          "CPU runtime only")
@@ -56,6 +58,22 @@ def check(args: argparse.Namespace) -> None:
         for path in (args.a, args.b):
             if not path.exists():
                 raise UsageError(f"diff: {path} does not exist")
+
+
+def _check_batched_export(args: argparse.Namespace) -> None:
+    """--batch B: an int >= 1, on the reify route for the CPU runtime (gdn_fx.hf.batch)."""
+    if args.batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {args.batch}")
+    if args.seq_len is not None or args.dynamic_seq:
+        raise UsageError("--batch writes the generation-ready artifact: it takes no "
+                         "--seq-len / --dynamic-seq")
+    for flag in ("generalize", "decode_graph", "stream"):
+        if getattr(args, flag):
+            raise UsageError(f"--batch is one graph on the reify route: it takes no "
+                             f"--{flag.replace('_', '-')}")
+    if args.runtime != "cpu":
+        raise UsageError(f"--runtime {args.runtime}: --batch (gdn_fx.hf.batch) lowers for the "
+                         "CPU runtime only")
 
 
 def check_out(path: Path) -> None:

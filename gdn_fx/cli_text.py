@@ -44,7 +44,8 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --prompts-file: run a batched export (export_generator(..., "
                         "batch=B); B must be the one it declares) in one tract State, its B "
                         "slots decoding together, each freed slot taking the next prompt "
-                        "(greedy; gdn_fx.hf.batch)")
+                        "(greedy; gdn_fx.hf.batch); with --workers N, N such States on the "
+                        "one loaded model, the prompts dealt to them in turn")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt in the tokenizer's chat template (a user turn, "
                         "the assistant's turn opened)")
@@ -152,10 +153,10 @@ def generate_text(args: argparse.Namespace) -> int:
         raise UsageError("--workers goes with --prompts-file (one prompt runs on one thread)")
     if args.batch is not None and args.prompts_file is None:
         raise UsageError("--batch goes with --prompts-file (the prompts the slots serve)")
-    if args.batch is not None and (args.workers != 1 or not sampling.greedy
-                                   or sampling.repetition_penalty != 1 or args.stop):
-        raise UsageError("--batch runs greedy generation in one State: leave out --workers, "
-                         "--temperature, --repetition-penalty and --stop")
+    if args.batch is not None and (not sampling.greedy or sampling.repetition_penalty != 1
+                                   or args.stop):
+        raise UsageError("--batch runs greedy generation: leave out --temperature, "
+                         "--repetition-penalty and --stop")
     if args.check and not (args.family or args.config or args.model_dir):
         raise UsageError("--check needs the model: --family, --config or --model")
     folder = text_source(args)
@@ -270,9 +271,10 @@ def _batched(args, prompts: list, options: dict) -> int:
     finds a difference."""
     from gdn_fx.hf.batch import BatchGenerator, check_batch
     from gdn_fx.hf.generator import check_generation
+    from gdn_fx.parallel import check_workers
     from gdn_fx.text import prompt_ids
 
-    batch = check_batch(args.batch)
+    batch, workers = check_batch(args.batch), check_workers(args.workers)
     if not args.nnef.exists():
         raise UsageError(f"--nnef {args.nnef} does not exist")
     start = time.perf_counter()
@@ -286,7 +288,7 @@ def _batched(args, prompts: list, options: dict) -> int:
     tokenizer = options["tokenizer"]
     ids = [prompt_ids(tokenizer, p) if isinstance(p, str) else p for p in prompts]
     results = generator.generate(ids, options["max_new_tokens"], keep_logits=args.check,
-                                 eos=options["eos"])
+                                 eos=options["eos"], workers=workers)
     model = _checked_model(args) if args.check else None
     failed = 0
     for index, result in enumerate(results):
@@ -306,8 +308,9 @@ def _batched(args, prompts: list, options: dict) -> int:
         else:
             print(f"=== prompt {index}")
             print(text if text is not None else "tokens: " + ",".join(map(str, result.tokens)))
-    print(f"tract: {len(results)} prompts, {generator.stats.rates()}, B = {batch} in one "
-          "State", file=sys.stderr)
+    states = "one State" if workers == 1 else f"each of {workers} States"
+    print(f"tract: {len(results)} prompts, {generator.stats.rates()}, B = {batch} in {states}",
+          file=sys.stderr)
     if model is not None:
         print("OK" if not failed else "NOT OK", file=sys.stderr)
     return 1 if failed else 0

@@ -28,10 +28,12 @@ def check_workers(workers) -> int:
     return int(workers)
 
 
-def serve(generator, items: Sequence, job: Callable, workers: int = 1) -> list:
+def serve(generator, items: Sequence, job: Callable, workers: int = 1,
+          label: str = "prompt") -> list:
     """``[job(fork, item) for item in items]``, computed by ``workers`` threads, each with
     its own fork of ``generator``; the results in the order of ``items``. The first error a
-    job raises is raised here once every thread has stopped, naming the item's index."""
+    job raises is raised here once every thread has stopped, naming the item's index
+    (``label`` says what an item is)."""
     workers = min(check_workers(workers), max(len(items), 1))
     results: list = [None] * len(items)
     errors: list = []
@@ -58,7 +60,7 @@ def serve(generator, items: Sequence, job: Callable, workers: int = 1) -> list:
     if errors:
         index, error = min(errors, key=lambda pair: pair[0])
         if isinstance(error, GdnFxError):  # one line naming the prompt, as every refusal
-            raise type(error)(f"prompt {index}: {error}") from None
+            raise type(error)(f"{label} {index}: {error}") from None
         raise error
     return results
 

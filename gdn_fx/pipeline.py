@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -42,6 +42,8 @@ class Job:
     # generation-ready artifact: also write the S = 1 graph beside it (the pair of earlier
     # releases; by default one graph serves every S: one copy of the weights)
     decode_graph: bool = False
+    # generation-ready artifact: the batched graph of B slots (gdn_fx.hf.batch) instead
+    batch: Optional[int] = None
 
 
 @dataclass
@@ -196,7 +198,6 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
     generate with it in tract and compare every token and logit with transformers."""
     from gdn_fx import tract_check
     from gdn_fx.hf import DecodeStep
-    from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
     from gdn_fx.hf.generator import (Generator, check_generation, export_generator,
                                      with_stored_weights)
 
@@ -219,7 +220,8 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
     else:
         with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"):
             files = export_generator(model, job.out, say=say, weights=job.weights,
-                                     decode=job.decode_graph, runtime=job.runtime)
+                                     decode=job.decode_graph, runtime=job.runtime,
+                                     batch=job.batch)
     report.files = files
     report.expected = DecodeStep(model).expected_fusions
     report.decisions = {p: tract_check.read_decisions(p) for p in (files.main, files.decode)
@@ -227,20 +229,67 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
     lowered = report.decisions[files.main]  # one decision per fused node, named after its op
     report.counts = {op: sum(1 for n in lowered if re.fullmatch(rf"{op}(_\d+)?", n))
                      for op in report.expected}
-    if check:
-        low, high = SAFE_TOKEN_RANGE
-        prompt = torch.randint(low, high, (CHECK_PROMPT,),
-                               generator=torch.Generator().manual_seed(job.seed)).tolist()
-        runtime, report.checked_on = _check_runtime(job.runtime)
-        with _timed(report, "generate", say, f"tract ({runtime}): {CHECK_TOKENS} greedy "
-                    "tokens, compared with transformers' generate"):
-            generator = Generator(files.main, files.decode, runtime=runtime)
-            result = generator.generate(prompt, CHECK_TOKENS)
-            # compressed weights: against transformers on the weights the NNEF stores
-            reference = model if job.weights == "f32" else with_stored_weights(model, files.main)
-            report.check = check_generation(reference, result)
-        report.rates = result.rates()
+    if not check:
+        return report
+    # compressed weights: against transformers on the weights the NNEF stores
+    reference = model if job.weights == "f32" else with_stored_weights(model, files.main)
+    if job.batch is not None:
+        return _check_batched(report, job, reference, say)
+    prompt = _check_prompts(job.seed, [CHECK_PROMPT])[0]
+    runtime, report.checked_on = _check_runtime(job.runtime)
+    with _timed(report, "generate", say, f"tract ({runtime}): {CHECK_TOKENS} greedy "
+                "tokens, compared with transformers' generate"):
+        generator = Generator(files.main, files.decode, runtime=runtime)
+        result = generator.generate(prompt, CHECK_TOKENS)
+        report.check = check_generation(reference, result)
+    report.rates = result.rates()
     return report
+
+
+def _check_prompts(seed: int, lengths: Sequence[int]) -> list:
+    """Random prompts (token ids in the tiny configs' safe range) of these lengths."""
+    from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
+
+    low, high = SAFE_TOKEN_RANGE
+    draw = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, high, (n,), generator=draw).tolist() for n in lengths]
+
+
+def _check_batched(report: GeneratorReport, job: Job, reference, say) -> GeneratorReport:
+    """The batched export's own check: B + 1 prompts of different lengths through its B
+    slots (so one slot is taken over mid-way), each against transformers' generate alone."""
+    from gdn_fx.hf.batch import BatchGenerator
+    from gdn_fx.hf.generator import check_generation
+
+    lengths = [CHECK_PROMPT - 3 * (i % 4) for i in range(job.batch + 1)]
+    prompts = _check_prompts(job.seed, lengths)
+    with _timed(report, "generate", say, f"tract (cpu): {len(prompts)} prompts through "
+                f"{job.batch} slots, {CHECK_TOKENS} greedy tokens each, compared with "
+                "transformers' generate"):
+        generator = BatchGenerator(report.files.main)
+        results = generator.generate(prompts, CHECK_TOKENS, keep_logits=True)
+        report.check = BatchCheck([check_generation(reference, r) for r in results])
+    report.rates = generator.stats.rates()
+    return report
+
+
+@dataclass
+class BatchCheck:
+    """Each prompt's GenerationCheck of a batched export's check."""
+
+    checks: list
+
+    @property
+    def ok(self) -> bool:
+        return all(found.ok for found in self.checks)
+
+    def __str__(self) -> str:
+        bad = [i for i, found in enumerate(self.checks) if not found.tokens_equal]
+        tokens = (f"every token of {len(self.checks)} prompts equal" if not bad else
+                  f"tokens differ for prompts {bad}")
+        worst = max(found.worst_logits for found in self.checks)
+        return (f"{tokens}; logits max relative error {worst:.2e} "
+                f"(bound {self.checks[0].bound:g})")
 
 
 def render_generator(report: GeneratorReport) -> str:

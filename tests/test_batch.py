@@ -87,6 +87,23 @@ def test_one_prompt_per_call_of_a_generator_fork(exported):
     _check_all(model, [result], [prompt], family)
 
 
+def test_worker_threads_each_serve_their_share_through_slots_of_their_own(exported,
+                                                                           monkeypatch):
+    # 2 States (forks) of 3 slots on one loaded graph, prompts dealt in turn: each prompt
+    # still generates what transformers gives it alone, results in the order asked
+    family, model, files = exported
+    generator = BatchGenerator(files.main)
+    forks, fork = [], BatchGenerator.fork
+    monkeypatch.setattr(BatchGenerator, "fork", lambda self: forks.append(fork(self)) or forks[-1])
+    prompts = [_prompt(length, 20 + seed) for seed, length in enumerate((3, 41, 1, 12, 8))]
+    results = generator.generate(prompts, 12, keep_logits=True, workers=2)
+    _check_all(model, results, prompts, family)
+    assert len(forks) == 1 and forks[0].stats.generated == 2 * 12  # prompts 1 and 3
+    assert generator.stats.generated == 5 * 12
+    with pytest.raises(UsageError, match="workers must be an int >= 1"):
+        generator.generate(prompts, 4, workers=0)
+
+
 def test_the_batched_step_is_refused_with_bad_inputs_naming_the_shape(exported):
     _, _, files = exported
     generator = BatchGenerator(files.main)
@@ -182,7 +199,60 @@ def test_cli_generates_one_line_per_prompt_through_the_slots(exported, tmp_path,
         assert found.tokens_equal and len(line["tokens"]) == 8, str(found)
     assert "B = 3 in one State" in captured.err
     code = main(["generate", "--nnef", str(files.main), "--prompts-file", str(listing),
+                 "--batch", str(SLOTS), "--workers", "2", "--max-new-tokens", "8", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    again = [json.loads(line) for line in captured.out.splitlines() if line]
+    assert [line["tokens"] for line in again] == [line["tokens"] for line in lines]
+    assert "B = 3 in each of 2 States" in captured.err
+    code = main(["generate", "--nnef", str(files.main), "--prompts-file", str(listing),
                  "--batch", "2"])
     assert code == 2 and "--batch 2: " in capsys.readouterr().err
     code = main(["generate", "--nnef", str(files.main), "--prompt-ids", "1,2", "--batch", "3"])
     assert code == 2 and "--batch goes with --prompts-file" in capsys.readouterr().err
+
+
+def test_cli_export_batch_writes_the_batched_graph_checked_through_its_slots(tmp_path, capsys):
+    from gdn_fx.cli import main
+
+    out = tmp_path / "b2.nnef.tgz"
+    code = main(["export", "--family", "qwen3_5", "--out", str(out), "--batch", "2",
+                 "--weights", "f16"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    # its own check: 3 prompts through 2 slots (one slot taken over), each against
+    # transformers on the stored f16 weights
+    assert "every token of 3 prompts equal" in captured.out
+    assert "inputs: input_ids, position_ids, past_mask," in captured.out
+    generator = BatchGenerator(out)
+    assert generator.batch == 2
+    model = tiny_model("qwen3_5")
+    from gdn_fx.hf.generator import with_stored_weights
+
+    prompts = [_prompt(5, 11), _prompt(17, 12)]
+    results = generator.generate(prompts, 8, keep_logits=True)
+    _check_all(with_stored_weights(model, out), results, prompts, "qwen3_5")
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--batch", "2", "--decode-graph"], "--batch is one graph on the reify route: it takes "
+                                         "no --decode-graph"),
+    (["--batch", "2", "--generalize"], "it takes no --generalize"),
+    (["--batch", "2", "--seq-len", "4"], "--batch writes the generation-ready artifact"),
+    (["--batch", "2", "--runtime", "cuda"], "--runtime cuda: --batch (gdn_fx.hf.batch) lowers "
+                                            "for the CPU runtime only"),
+])
+def test_cli_export_batch_refusals_come_before_any_work(tmp_path, capsys, monkeypatch, extra,
+                                                        says):
+    from gdn_fx import pipeline
+    from gdn_fx.cli import main
+
+    def built(*args, **kwargs):
+        raise AssertionError("the command started work before refusing its arguments")
+
+    monkeypatch.setattr(pipeline, "build_model", built)
+    code = main(["export", "--family", "qwen3_5", "--out", str(tmp_path / "b.nnef.tgz"),
+                 *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err

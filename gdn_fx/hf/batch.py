@@ -54,6 +54,7 @@ from torch.export import Dim
 
 from gdn_fx.errors import ArtifactError, UnsupportedModel, UsageError
 from gdn_fx.hf.decode import DecodeStep
+from gdn_fx.parallel import check_workers, serve
 
 BATCH = "gdn_fx_batch"  # tract property of a batched artifact: its B
 # The additive mask value of a column a row does not see (see the module doc: not -inf).
@@ -204,6 +205,15 @@ class BatchStats:
     dropped: int = 0
     decode_calls: int = 0  # calls with S = 1
 
+    @classmethod
+    def total(cls, parts: Sequence["BatchStats"], seconds: float) -> "BatchStats":
+        """The stats of several States run at once (worker threads): counts summed, the
+        widest past the widest, ``seconds`` the wall time of them all."""
+        return cls(calls=sum(p.calls for p in parts), fed=sum(p.fed for p in parts),
+                   generated=sum(p.generated for p in parts), seconds=seconds,
+                   widest=max(p.widest for p in parts), dropped=sum(p.dropped for p in parts),
+                   decode_calls=sum(p.decode_calls for p in parts))
+
     def rates(self) -> str:
         rate = self.generated / self.seconds if self.seconds else float("nan")
         return (f"{self.generated} tokens in {self.calls} calls, {self.seconds:.2f} s "
@@ -313,12 +323,15 @@ class BatchGenerator:
         return 0
 
     def generate(self, prompts: Sequence, max_new_tokens: int,
-                 keep_logits: bool = False, eos: Sequence[int] = ()) -> list:
+                 keep_logits: bool = False, eos: Sequence[int] = (), workers: int = 1) -> list:
         """Greedy continuation of every prompt (token ids) by ``max_new_tokens`` tokens:
         one ``GenerationResult`` per prompt, in order (``logits`` filled with
         ``keep_logits``; ``prefill_s`` from the prompt's slot to its first token,
         ``decode_s`` from there to its last). A sequence also ends at a token of ``eos``
         (kept), and its slot goes to the next prompt. ``self.stats`` says what the run did.
+        ``workers`` > 1: that many threads, each a :meth:`fork` (its own State and B slots on
+        the one loaded graph), the prompts dealt to them in turn (prompt i to worker
+        i mod workers): tract's calls release the GIL, so the States run on as many cores.
         Refused
         in one line before tract runs: no prompts, an empty prompt, an id outside the
         vocabulary, ``max_new_tokens < 1`` (UsageError, naming the prompt)."""
@@ -336,8 +349,21 @@ class BatchGenerator:
             except UsageError as error:
                 raise UsageError(f"prompt {number}: {error}") from None
         results = [GenerationResult(list(p)) for p in checked]
-        return self._run(checked, results, int(max_new_tokens), keep_logits,
-                         frozenset(int(e) for e in eos))
+        limit, eos = int(max_new_tokens), frozenset(int(e) for e in eos)
+        workers = min(check_workers(workers), len(checked))
+        if workers == 1:
+            return self._run(checked, results, limit, keep_logits, eos)
+        shares = [list(range(k, len(checked), workers)) for k in range(workers)]
+
+        def serve_share(fork, share):
+            fork._run([checked[i] for i in share], [results[i] for i in share], limit,
+                      keep_logits, eos)
+            return fork.stats
+
+        begin = time.perf_counter()
+        parts = serve(self, shares, serve_share, workers, label="worker")
+        self.stats = BatchStats.total(parts, time.perf_counter() - begin)
+        return results
 
     def _run(self, prompts: list, results: list, limit: int, keep_logits: bool,
              eos: frozenset) -> list:
