@@ -11,6 +11,7 @@ the wall time of the whole batch of prompts (their prefills included).
 
     .venv/bin/python bench/bench_parallel.py --quick           # 4 layers, vocab 32k (~3 min)
     .venv/bin/python bench/bench_parallel.py --threads 1,2,4,8,16   # on a machine with cores
+    .venv/bin/python bench/bench_parallel.py --quick --batch 4     # + B = 4 slots per thread
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def _arguments(argv):
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=0, metavar="B",
+                        help="also the batched artifact (export_generator(..., batch=B)): "
+                        "each worker thread a BatchGenerator fork serving B slots")
     return parser.parse_args(argv)
 
 
@@ -47,6 +51,13 @@ def _tract(generator, prompts, new_tokens: int, workers: int) -> float:
 
     start = time.perf_counter()
     results = generate_all(generator, prompts, new_tokens, workers=workers)
+    elapsed = time.perf_counter() - start
+    return sum(len(r.tokens) for r in results) / elapsed
+
+
+def _batched(generator, prompts, new_tokens: int, workers: int) -> float:
+    start = time.perf_counter()
+    results = generator.generate(prompts, new_tokens, workers=workers)
     elapsed = time.perf_counter() - start
     return sum(len(r.tokens) for r in results) / elapsed
 
@@ -79,9 +90,18 @@ def main(argv=None) -> None:
         generator = Generator(files.main, files.decode)
         generator.generate(prompts[0], 2)  # warm-up
         calls = {}
+        if args.batch:
+            from gdn_fx.hf.batch import BatchGenerator
+
+            batched = BatchGenerator(export_generator(
+                model, Path(folder) / "b.nnef.tgz", batch=args.batch).main)
+            batched.generate(prompts[:1], 2)  # warm-up
         for count in threads:
             calls[("tract", count)] = lambda c=count: _tract(generator, prompts,
                                                              args.new_tokens, c)
+            if args.batch:
+                calls[("batched", count)] = lambda c=count: _batched(batched, prompts,
+                                                                     args.new_tokens, c)
             calls[("torch", count)] = lambda c=count: _torch(model, prompts,
                                                              args.new_tokens, c)
         rates = {key: [] for key in calls}
@@ -94,10 +114,12 @@ def main(argv=None) -> None:
     rows = []
     for (engine, count), values in rates.items():
         rate = statistics.median(values)
-        label = "gdn-fx artifact in tract, worker threads" if engine == "tract" else \
-            "torch eager, intra-op threads, one sequence at a time"
+        label = {"tract": "gdn-fx artifact in tract, worker threads",
+                 "batched": f"gdn-fx batched artifact (B = {args.batch}) in tract, worker "
+                            "threads",
+                 "torch": "torch eager, intra-op threads, one sequence at a time"}[engine]
         rows.append([label, count, f"{rate:.1f}",
-                     common.ratio(rate / base) if engine == "tract" else ""])
+                     common.ratio(rate / base) if engine != "torch" else ""])
     common.emit(common.header(
         "Several sequences at once: aggregate tokens/s",
         f"{'quick shape (4 layers, vocab 32k)' if args.quick else 'Qwen3.5-0.8B shape'}, f32, "
