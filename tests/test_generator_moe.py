@@ -121,3 +121,43 @@ def test_block_of_symbolic_length_becomes_one_op(tmp_path, kernel):
             want = block(*x)
         found = tract_check.compare(model, [want], x)
         assert found.ok, f"S = {seq}: {found}"
+
+
+def test_f16_generation_compares_router_near_ties_by_token_only(tmp_path):
+    # tiny qwen3_next in f16, lowered for CUDA and run on the CPU runtime, this prompt: at two
+    # steps a top-2-of-4 router's 2nd and 3rd logits lie ~1.5e-3 apart (of the largest), the
+    # file's f16 rounding routes there to the other expert and the logits jump by ~2.4e-2,
+    # past the f16 bound (as on the GPU); the tokens stay equal. Those steps are compared by
+    # token only, and said; every other step within the bound.
+    from gdn_fx.hf.generator import router_near_ties
+
+    model = tiny_model("qwen3_next", dtype=torch.float16)
+    files = export_generator(model, tmp_path / "g.nnef.tgz", runtime="cuda")
+    prompt = _prompt(37)
+    result = Generator(files.main).generate(prompt, 32)
+    found = check_generation(model, result)
+    assert found.ok and found.tokens_equal, str(found)
+    assert {5, 20} <= set(found.tied) and len(found.tied) <= 16, str(found)
+    assert "at a router near-tie compared by token only" in str(found)
+    # the steps left out are the ones past the bound: counted, they fail the check
+    strict = [abs(got.astype(float) - want).max() / abs(want).max() for got, want in
+              zip(result.logits, _hf_logits(model, prompt, 32))]
+    assert max(strict[s] for s in (5, 20)) > found.bound > max(
+        e for s, e in enumerate(strict) if s not in found.tied)
+    # routers whose rows are all equal tie everywhere: more than half the steps tied, so
+    # every step is compared (no exemption) and the check fails instead of passing blind
+    sequence = prompt + result.tokens[:4]
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.weight[:] = module.weight[:1]
+    assert router_near_ties(model, sequence, 1e-2) == list(range(len(sequence)))
+
+
+def _hf_logits(model, prompt: list, steps: int) -> list:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                             do_sample=False, eos_token_id=None, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    return [step[0].double().numpy() for step in out.logits]
