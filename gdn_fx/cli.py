@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="let the main graph serve decode (ignore X.decode.nnef.tgz)")
     generate.add_argument("--check", action="store_true",
                           help="compare every token and logit with transformers' generate on "
-                          "the model named by --family / --config / --model")
+                          "the model named by --family / --config / --model, holding the "
+                          "weights as --nnef stores them (f16 rounded, Q4_0 dequantized)")
     _model_source(generate, required=False, seed_flag="--weights-seed")
     diff = _subparser(sub, "diff", "structural diff of two programs (.pt2) or NNEF exports")
     diff.add_argument("a", type=Path)
@@ -340,8 +341,8 @@ def _generate(args) -> int:
     if uses_text_path(args):
         with _pair_warnings_in_one_line():
             return generate_text(args)
+    from gdn_fx.cli_text import checked_model
     from gdn_fx.hf.generator import Generator, check_generation
-    from gdn_fx.pipeline import Job, build_model
 
     try:
         prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -364,8 +365,8 @@ def _generate(args) -> int:
     print(f"tract: {result.rates()}")
     if not args.check:
         return 0
-    model, name = build_model(Job(family=args.family, config=args.config,
-                                  model_dir=args.model_dir, seed=args.seed))
+    del generator  # tract's copy of the weights goes before transformers' comes
+    model, name = checked_model(args)
     found = check_generation(model, result)
     print(f"check against transformers ({name}): {found}")
     print("OK" if found.ok else "NOT OK")

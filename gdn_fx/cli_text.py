@@ -243,7 +243,7 @@ def _many(args, prompts: list, options: dict) -> int:
     start = time.perf_counter()
     runs = stream_all(generator, prompts, workers, **options)
     elapsed = time.perf_counter() - start
-    model = _checked_model(args) if args.check else None
+    model = checked_model(args) if args.check else None
     failed = 0
     for index, run in enumerate(runs):
         found = _check(args, run, model) if model is not None else None
@@ -289,7 +289,7 @@ def _batched(args, prompts: list, options: dict) -> int:
     ids = [prompt_ids(tokenizer, p) if isinstance(p, str) else p for p in prompts]
     results = generator.generate(ids, options["max_new_tokens"], keep_logits=args.check,
                                  eos=options["eos"], workers=workers)
-    model = _checked_model(args) if args.check else None
+    model = checked_model(args) if args.check else None
     failed = 0
     for index, result in enumerate(results):
         found = None
@@ -337,19 +337,23 @@ def _report(args, run) -> int:
     return 0 if found is None or found.ok else 1
 
 
-def _checked_model(args):
-    """(model, name) that --check compares with."""
+def checked_model(args):
+    """(model, name) that --check compares with: the model of --family / --config / --model
+    holding the weights as --nnef stores them (f16 rounded, Q4_0 dequantized: what tract
+    multiplies with; read one weight at a time, in place: no second copy of the model)."""
+    from gdn_fx.hf.generator import with_stored_weights
     from gdn_fx.pipeline import Job, build_model
 
-    return build_model(Job(family=args.family, config=args.config, model_dir=args.model_dir,
-                           seed=args.seed))
+    model, name = build_model(Job(family=args.family, config=args.config,
+                                  model_dir=args.model_dir, seed=args.seed))
+    return with_stored_weights(model, args.nnef, in_place=True), name
 
 
 def _check(args, run, checked=None):
     """Every token and logit against transformers' generate on the same model."""
     from gdn_fx.hf.generator import GenerationResult, check_generation
 
-    model, name = checked or _checked_model(args)
+    model, name = checked or checked_model(args)
     summary = run.summary
     result = GenerationResult(summary.prompt, list(summary.tokens), list(run.logits),
                               summary.prefill_s, summary.decode_s)

@@ -240,8 +240,8 @@ def _dat_files(path: Path):
         for file in sorted(path.rglob("*.dat")):
             yield file.relative_to(path).as_posix(), file.read_bytes()
         return
-    with tarfile.open(path) as archive:
-        for member in archive.getmembers():
+    with tarfile.open(path, "r|*") as archive:  # one pass, in archive order
+        for member in archive:
             if member.isfile() and member.name.endswith(".dat"):
                 yield member.name, archive.extractfile(member).read()
 
@@ -260,7 +260,12 @@ def decode_q4_0(data: bytes, shape: Sequence[int]) -> np.ndarray:
 def stored_parameters(path: Union[str, Path]) -> dict[str, np.ndarray]:
     """{label: f32 values} of every floating-point variable an export stores (f32, f16, or
     Q4_0 dequantized), read from its .dat files: what tract multiplies with."""
-    found = {}
+    return dict(iter_stored_parameters(path))
+
+
+def iter_stored_parameters(path: Union[str, Path]):
+    """(label, f32 values) of each variable :func:`stored_parameters` reads, one at a time
+    (memory holds one of them, not the model)."""
     for name, raw in _dat_files(Path(path)):
         length, rank = struct.unpack_from("<II", raw, 4)
         shape = struct.unpack_from(f"<{rank}I", raw, 12)
@@ -270,7 +275,6 @@ def stored_parameters(path: Union[str, Path]) -> dict[str, np.ndarray]:
         count = int(np.prod(shape)) if shape else 1
         if code == 0 and bits in (16, 32):  # IEEE floats
             dtype = np.float16 if bits == 16 else np.float32
-            found[label] = np.frombuffer(data, dtype=dtype).astype(np.float32).reshape(shape)
+            yield label, np.frombuffer(data, dtype=dtype).astype(np.float32).reshape(shape)
         elif length == count // _Q4_BLOCK * _Q4_BYTES and count % _Q4_BLOCK == 0:
-            found[label] = decode_q4_0(data, shape)
-    return found
+            yield label, decode_q4_0(data, shape)

@@ -190,6 +190,33 @@ def test_cli_export_then_generate_with_check(tmp_path, capsys):
     assert "tokens: " in out and "tokens/s" in out and out.rstrip().endswith("OK")
 
 
+@pytest.mark.parametrize("weights", ["q4_0", "f16"])
+def test_cli_generate_check_compares_on_the_weights_the_export_stores(tmp_path, capsys,
+                                                                      weights):
+    # Q4_0 / f16 weights move the logits far past 1e-4 from the f32 model: --check compares
+    # with transformers holding the stored weights, so it passes; the f32 model itself would
+    # not (checked below with the stored weights left out)
+    from gdn_fx.cli_text import checked_model
+    from gdn_fx.hf.generator import Generator
+
+    path = tmp_path / "q.nnef.tgz"
+    assert main(["export", "--family", "qwen3_5", "--out", str(path), "--weights", weights,
+                 "--no-check"]) == 0
+    capsys.readouterr()
+    prompt = _prompt(9)
+    assert main(["generate", "--nnef", str(path), "--prompt-ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", "12", "--check", "--family", "qwen3_5"]) == 0
+    out = capsys.readouterr().out
+    assert "every token equal" in out and out.rstrip().endswith("OK")
+    result = Generator(path).generate(prompt, 12)
+    assert not check_generation(tiny_model("qwen3_5"), result).ok
+    import argparse
+
+    args = argparse.Namespace(family="qwen3_5", config=None, model_dir=None, seed=0,
+                              nnef=path)
+    assert check_generation(checked_model(args)[0], result).ok
+
+
 def test_cli_export_writes_one_graph_and_the_pair_on_request(tmp_path, capsys):
     one, pair = tmp_path / "one" / "q.nnef.tgz", tmp_path / "pair" / "q.nnef.tgz"
     assert main(["export", "--family", "qwen3_5", "--out", str(one), "--no-check"]) == 0

@@ -325,19 +325,20 @@ def f16_reference(main, twin: DecodeStep, args: Sequence[torch.Tensor]
     return want, bounds
 
 
-def with_stored_weights(model: nn.Module, path: Union[str, Path]) -> nn.Module:
-    """A copy of ``model`` holding the weights as the export at ``path`` stores them (f16
-    rounded, Q4_0 dequantized; ``tract_check.stored_parameters``): the model tract runs, to
-    check a compressed export against transformers. A product's own Q4_0 copy of a table
-    the embedding also reads (label ``<name>_q4_0``) unties it in the copy."""
+def with_stored_weights(model: nn.Module, path: Union[str, Path],
+                        in_place: bool = False) -> nn.Module:
+    """A copy of ``model`` (``model`` itself with ``in_place``: no second copy of a large
+    model) holding the weights as the export at ``path`` stores them (f16 rounded, Q4_0
+    dequantized; ``tract_check.iter_stored_parameters``, read one at a time): the model tract
+    runs, to check a compressed export against transformers. A product's own Q4_0 copy of a
+    table the embedding also reads (label ``<name>_q4_0``) unties it in the copy."""
     from gdn_fx import tract_check
 
-    twin = copy.deepcopy(model)
-    stored = tract_check.stored_parameters(path)
+    twin = model if in_place else copy.deepcopy(model)
     prefix = "model."  # DecodeStep holds the model as its attribute ``model``
     own_copies = {}
     with torch.no_grad():
-        for label, values in stored.items():
+        for label, values in tract_check.iter_stored_parameters(path):
             name = label[len(prefix):] if label.startswith(prefix) else label
             if name.endswith("_q4_0"):
                 own_copies[name[: -len("_q4_0")]] = values
