@@ -4,7 +4,8 @@ generation cost, per artifact format.
 Each shape's folder is written by ``save_pretrained`` in bf16 (as real checkpoints are) from a
 model built in bf16 from its config with random weights (``gdn_fx.hf.tiny_model``'s seeded
 init: no downloads). Then, per format, in fresh one-thread processes: ``gdn-fx export --model
-DIR --stream`` (``export_checkpoint``: wall time, peak RSS = VmHWM), the artifact's bytes, and
+DIR --stream`` (``export_checkpoint``: wall time, peak RSS = VmHWM, glibc unpinned as in a
+user's process), the artifact's bytes, and
 bench_generate's tract run (load time, memory the load adds, prefill of 512 tokens in the
 Generator's chunks and in one call, decode ms/token after those 512).
 
@@ -82,11 +83,11 @@ def export(folder: str, out: str, fmt: str) -> dict:
 
 # --- the parent ---------------------------------------------------------------------------
 
-def _child(kind: str, *args: str) -> dict:
+def _child(kind: str, *args: str, pinned: bool = True) -> dict:
     """``kind`` in a fresh one-thread process (bench_generate's run_tract, else this
     module's function); its figures and peak RSS (VmHWM)."""
     module = "bench_generate" if kind == "run_tract" else "bench_checkpoint"
-    return common.child(kind, *args, module=module)
+    return common.child(kind, *args, module=module, pinned=pinned)
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -107,7 +108,7 @@ def measure(shape: str, formats, workdir: Path, reuse: bool) -> list:
         if reuse and out.exists():
             exported = dict(seconds=float("nan"), bytes=out.stat().st_size, peak_rss=float("nan"))
         else:
-            exported = _child("export", str(folder), str(out), fmt)
+            exported = _child("export", str(folder), str(out), fmt, pinned=False)
         print(f"[{shape} {fmt}] export {exported}", file=sys.stderr)
         ran = _child("run_tract", str(out), "")
         print(f"[{shape} {fmt}] tract {ran}", file=sys.stderr)

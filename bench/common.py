@@ -59,8 +59,11 @@ def pin_allocator() -> str:
     return "glibc mmap/trim thresholds pinned at 1 GiB" if done else "allocator as found"
 
 
-# Every benchmark script imports this module: its process is pinned from the start.
-ALLOCATOR = pin_allocator()
+# Every benchmark script imports this module: its process is pinned from the start, unless
+# it measures memory as users meet it (child(..., pinned=False)): pinned, every block under
+# 1 GiB comes from the heap and stays there, so a peak RSS reads higher than unpinned.
+UNPINNED = "GDN_FX_BENCH_UNPINNED"
+ALLOCATOR = "allocator as found" if os.environ.get(UNPINNED) else pin_allocator()
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -458,11 +461,13 @@ def _status(key: str) -> int:
     return 0
 
 
-def child(kind: str, *args: str, module: str = "bench_generate") -> dict:
+def child(kind: str, *args: str, module: str = "bench_generate", pinned: bool = True) -> dict:
     """Run one engine (``module``'s function ``kind``) in a fresh one-thread process; its
-    figures and peak RSS."""
+    figures and peak RSS (``pinned=False``: glibc as users have it, see ALLOCATOR)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRACT_NUM_THREADS="1",
                RAYON_NUM_THREADS="1")  # the name tract's binary reads is rayon's
+    if not pinned:
+        env[UNPINNED] = "1"
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
             "import torch; torch.set_num_threads(1); "
             f"import common, {module} as m; "
