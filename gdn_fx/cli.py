@@ -341,6 +341,9 @@ def _generate(args) -> int:
     if uses_text_path(args):
         with _pair_warnings_in_one_line():
             return generate_text(args)
+    import gc
+
+    from gdn_fx import tract_check
     from gdn_fx.cli_text import checked_model
     from gdn_fx.hf.generator import Generator, check_generation
 
@@ -366,6 +369,8 @@ def _generate(args) -> int:
     if not args.check:
         return 0
     del generator  # tract's copy of the weights goes before transformers' comes
+    gc.collect()
+    tract_check.release_freed_memory()
     model, name = checked_model(args)
     found = check_generation(model, result)
     print(f"check against transformers ({name}): {found}")

@@ -253,8 +253,10 @@ def decode_q4_0(data: bytes, shape: Sequence[int]) -> np.ndarray:
     blocks = np.frombuffer(data, dtype=np.uint8).reshape(-1, _Q4_BYTES)
     scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
     codes = blocks[:, 2:]
-    nibbles = np.concatenate([codes & 0x0F, codes >> 4], axis=1).astype(np.float32)
-    return ((nibbles - 8.0) * scale).reshape(shape)
+    values = np.concatenate([codes & 0x0F, codes >> 4], axis=1).astype(np.float32)
+    values -= 8.0  # in place: one f32 array of the table at a time (a 2.5 GB head at 4B)
+    values *= scale
+    return values.reshape(shape)
 
 
 def stored_parameters(path: Union[str, Path]) -> dict[str, np.ndarray]:
@@ -275,6 +277,7 @@ def iter_stored_parameters(path: Union[str, Path]):
         count = int(np.prod(shape)) if shape else 1
         if code == 0 and bits in (16, 32):  # IEEE floats
             dtype = np.float16 if bits == 16 else np.float32
-            yield label, np.frombuffer(data, dtype=dtype).astype(np.float32).reshape(shape)
+            values = np.frombuffer(data, dtype=dtype).astype(np.float32, copy=False)
+            yield label, values.reshape(shape)  # f32: a read-only view of the file's bytes
         elif length == count // _Q4_BLOCK * _Q4_BYTES and count % _Q4_BLOCK == 0:
             yield label, decode_q4_0(data, shape)

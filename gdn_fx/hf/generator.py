@@ -336,8 +336,10 @@ def with_stored_weights(model: nn.Module, path: Union[str, Path],
 
     twin = model if in_place else copy.deepcopy(model)
     prefix = "model."  # DecodeStep holds the model as its attribute ``model``
-    own_copies = {}
-    with torch.no_grad():
+    own_copies = {}  # set last: a tied table's own copy must not take the shared values
+    with torch.no_grad(), warnings.catch_warnings():
+        # f32 values are read-only views of the file's bytes: only read (copied) here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for label, values in tract_check.iter_stored_parameters(path):
             name = label[len(prefix):] if label.startswith(prefix) else label
             if name.endswith("_q4_0"):
@@ -348,7 +350,8 @@ def with_stored_weights(model: nn.Module, path: Union[str, Path],
             except AttributeError:  # a constant of the graph, not a parameter
                 continue
             if tuple(param.shape) == values.shape:
-                param.copy_(torch.from_numpy(values).to(param.dtype))
+                param.copy_(torch.from_numpy(values))
+            del values  # one stored weight in memory at a time
         for name, values in own_copies.items():
             owner, _, field = name.rpartition(".")
             setattr(twin.get_submodule(owner), field, nn.Parameter(
