@@ -206,3 +206,25 @@ def test_generator_q4_0_generates_like_transformers_on_the_stored_weights(tmp_pa
     result = Generator(files.main, files.decode).generate([5, 9, 17, 33, 4, 8], 12)
     found = check_generation(with_stored_weights(model, files.main), result)
     assert found.ok, found
+
+
+@pytest.mark.parametrize("own_first", [True, False])
+@pytest.mark.parametrize("table_label", ["model.lm_head.weight", "model.model.embed_tokens.weight"])
+def test_stored_weights_untie_the_head_whatever_the_order_and_label(monkeypatch, own_first,
+                                                                    table_label):
+    # A tied table stored once (under either name) plus the head's own Q4_0 copy: the copy
+    # model reads the table in the embedding and the copy in the head, in either file order.
+    from gdn_fx.hf.generator import with_stored_weights
+
+    model = tiny_model("qwen3_5", tie_word_embeddings=True)
+    embedding = model.get_input_embeddings().weight
+    assert model.lm_head.weight is embedding  # tied
+    table = np.full(tuple(embedding.shape), 0.25, np.float32)
+    own = np.full(tuple(embedding.shape), -0.5, np.float32)
+    entries = [("model.lm_head.weight_q4_0", own), (table_label, table)]
+    monkeypatch.setattr(tract_check, "iter_stored_parameters",
+                        lambda path: iter(entries if own_first else entries[::-1]))
+    twin = with_stored_weights(model, "unused.nnef.tgz")
+    assert torch.equal(twin.get_input_embeddings().weight, torch.from_numpy(table))
+    assert torch.equal(twin.lm_head.weight, torch.from_numpy(own))
+    assert torch.equal(model.lm_head.weight, embedding)  # the original untouched (a copy)

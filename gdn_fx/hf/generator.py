@@ -336,26 +336,26 @@ def with_stored_weights(model: nn.Module, path: Union[str, Path],
 
     twin = model if in_place else copy.deepcopy(model)
     prefix = "model."  # DecodeStep holds the model as its attribute ``model``
-    own_copies = {}  # set last: a tied table's own copy must not take the shared values
+    shared = {}  # name -> the tied parameter a product's own copy replaced under that name
     with torch.no_grad(), warnings.catch_warnings():
         # f32 values are read-only views of the file's bytes: only read (copied) here
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for label, values in tract_check.iter_stored_parameters(path):
             name = label[len(prefix):] if label.startswith(prefix) else label
-            if name.endswith("_q4_0"):
-                own_copies[name[: -len("_q4_0")]] = values
+            if name.endswith("_q4_0"):  # set at once: memory holds it once, as the model will
+                name = name[: -len("_q4_0")]
+                shared[name] = twin.get_parameter(name)
+                owner, _, field = name.rpartition(".")
+                setattr(twin.get_submodule(owner), field, nn.Parameter(
+                    torch.from_numpy(values).to(model_dtype(model)), requires_grad=False))
                 continue
-            try:
-                param = twin.get_parameter(name)
+            try:  # the table under a name whose product took its own copy: the shared one
+                param = shared[name] if name in shared else twin.get_parameter(name)
             except AttributeError:  # a constant of the graph, not a parameter
                 continue
             if tuple(param.shape) == values.shape:
                 param.copy_(torch.from_numpy(values))
             del values  # one stored weight in memory at a time
-        for name, values in own_copies.items():
-            owner, _, field = name.rpartition(".")
-            setattr(twin.get_submodule(owner), field, nn.Parameter(
-                torch.from_numpy(values).to(model_dtype(model)), requires_grad=False))
     return twin
 
 
