@@ -344,6 +344,11 @@ def checked_model(args):
     from gdn_fx.hf.generator import with_stored_weights
     from gdn_fx.pipeline import Job, build_model
 
+    if args.model_dir is not None:  # the checkpoint's small parameters, the file's matrices
+        from gdn_fx.hf.stream import stored_reference
+
+        model = stored_reference(args.model_dir, args.nnef).eval()
+        return model, f"{model.config.model_type} from {args.model_dir}"
     model, name = build_model(Job(family=args.family, config=args.config,
                                   model_dir=args.model_dir, seed=args.seed))
     return with_stored_weights(model, args.nnef, in_place=True), name

@@ -220,3 +220,33 @@ def test_streamed_moe_fuses_at_real_widths_in_f16(tmp_path):
                          num_experts_per_tok=8, vocab_size=1024)
     files = export_checkpoint(folder, tmp_path / "wide.nnef.tgz", dtype="f16")
     assert tract_check.nnef_text(files.main).count("tract_moe_ffn(") == 2
+
+
+@pytest.mark.parametrize("weights", ["f32", "q4_0"])
+def test_stored_reference_is_from_pretrained_holding_the_stored_weights(tied_dense, tmp_path,
+                                                                         weights):
+    """What generate --check --model DIR compares with, built without a second copy: every
+    parameter and buffer equal to from_pretrained's model given the file's stored weights;
+    it generates what the file generates."""
+    from transformers import AutoModelForCausalLM
+
+    from gdn_fx.hf.generator import Generator, check_generation, with_stored_weights
+    from gdn_fx.hf.stream import stored_reference
+
+    files = export_checkpoint(tied_dense, tmp_path / "t.nnef.tgz", weights=weights)
+    built = stored_reference(tied_dense, files.main)
+    loaded = with_stored_weights(AutoModelForCausalLM.from_pretrained(
+        tied_dense, dtype=torch.float32), files.main, in_place=True)
+    mine, theirs = dict(built.named_parameters()), dict(loaded.named_parameters())
+    assert mine.keys() == theirs.keys()
+    for name, value in mine.items():
+        assert torch.equal(value, theirs[name]), name
+    buffers = dict(loaded.named_buffers())
+    for name, value in built.named_buffers():
+        assert torch.equal(value, buffers[name]), name
+    found = check_generation(built.eval(), Generator.open(files.main).generate([5, 9, 17], 12))
+    assert found.ok, found
+    # a file of another model stores none of this one's matrices: refused by name
+    other = export_checkpoint(_checkpoint(tmp_path, "qwen3_next"), tmp_path / "o.nnef.tgz")
+    with pytest.raises(CheckpointError, match=r"stores no values for model\.layers\.\d+\."):
+        stored_reference(tied_dense, other.main)

@@ -353,10 +353,23 @@ def with_stored_weights(model: nn.Module, path: Union[str, Path],
                 param = shared[name] if name in shared else twin.get_parameter(name)
             except AttributeError:  # a constant of the graph, not a parameter
                 continue
-            if tuple(param.shape) == values.shape:
+            if tuple(param.shape) != values.shape:
+                continue
+            if param.numel() > 1 and not any(param.stride()):  # a placeholder (hf/stream.py)
+                _replace_parameter(twin, param, nn.Parameter(
+                    torch.from_numpy(values).to(param.dtype), requires_grad=False))
+            else:
                 param.copy_(torch.from_numpy(values))
             del values  # one stored weight in memory at a time
     return twin
+
+
+def _replace_parameter(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """``new`` wherever ``model`` holds ``old`` (every module of a tied table)."""
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is old:
+                module._parameters[key] = new
 
 
 # --- running it in tract ------------------------------------------------------------------

@@ -158,6 +158,26 @@ def placeholder_model(folder: Union[str, Path], dtype: torch.dtype = torch.float
     return model.eval(), placeholders
 
 
+def stored_reference(folder: Union[str, Path], nnef: Union[str, Path],
+                     dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The causal LM of checkpoint ``folder`` in ``dtype`` holding the weights as ``nnef``
+    stores them (f16 rounded, Q4_0 dequantized: what tract multiplies with), built without a
+    second copy: :func:`placeholder_model`'s placeholders, each replaced by its stored values
+    as they are read from ``nnef``, the other parameters and buffers read from ``folder``. What
+    ``gdn-fx generate --check --model DIR`` compares with: ``from_pretrained`` in f32 of a
+    4B-shaped bf16 folder alone peaked at 23.1 GiB here (docs/FACTS.md). CheckpointError
+    naming a matrix ``nnef`` holds no values for."""
+    from gdn_fx.hf.generator import with_stored_weights
+
+    model, placeholders = placeholder_model(folder, dtype)
+    model = with_stored_weights(model, nnef, in_place=True)
+    for name, param in model.named_parameters():
+        if placeholders.source(param) is not None:
+            raise CheckpointError(f"{nnef} stores no values for {name} "
+                                  f"{tuple(param.shape)}: is it an export of {folder}?")
+    return model
+
+
 def _load_buffers(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
     """Persistent buffers the checkpoint holds, loaded (those it lacks keep their init)."""
     with torch.no_grad():
