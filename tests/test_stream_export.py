@@ -168,6 +168,11 @@ def test_cli_stream_writes_and_says_the_check_was_skipped(tmp_path, capsys):
                  "--weights", "q4_0"]) == 0
     text = capsys.readouterr().out
     assert out.exists() and "skipped (--stream" in text and "OK" in text.splitlines()[-1]
+    # the check it points to: against transformers on the Q4_0 weights the file stores
+    assert main(["generate", "--nnef", str(out), "--prompt-ids", "5,9,17,33",
+                 "--max-new-tokens", "8", "--check", "--model", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert "every token equal" in text and text.rstrip().endswith("OK")
     assert main(["export", "--model", str(folder), "--out", str(out), "--stream",
                  "--seq-len", "2"]) == 2
 
