@@ -4,10 +4,10 @@ generation cost, per artifact format.
 Each shape's folder is written by ``save_pretrained`` in bf16 (as real checkpoints are) from a
 model built in bf16 from its config with random weights (``gdn_fx.hf.tiny_model``'s seeded
 init: no downloads). Then, per format, in fresh one-thread processes: ``gdn-fx export --model
-DIR --stream`` (``export_checkpoint``: wall time, peak RSS = VmHWM, glibc unpinned as in a
-user's process), the artifact's bytes, and
+DIR --stream`` (``export_checkpoint``: wall time, peak RSS = VmHWM), the artifact's bytes, and
 bench_generate's tract run (load time, memory the load adds, prefill of 512 tokens in the
-Generator's chunks and in one call, decode ms/token after those 512).
+Generator's chunks and in one call, decode ms/token after those 512, the run's peak RSS). Both
+processes run with glibc as users have it (not common.py's timing pin: memory is the point).
 
     .venv/bin/python bench/bench_checkpoint.py --shapes 0.8b            # ~30-60 min here
     .venv/bin/python bench/bench_checkpoint.py --quick                  # 4 layers, vocab 32k
@@ -110,7 +110,7 @@ def measure(shape: str, formats, workdir: Path, reuse: bool) -> list:
         else:
             exported = _child("export", str(folder), str(out), fmt, pinned=False)
         print(f"[{shape} {fmt}] export {exported}", file=sys.stderr)
-        ran = _child("run_tract", str(out), "")
+        ran = _child("run_tract", str(out), "", pinned=False)  # memory as users meet it
         print(f"[{shape} {fmt}] tract {ran}", file=sys.stderr)
         rows.append((shape, fmt, ckpt, exported, ran))
     return rows
@@ -120,15 +120,17 @@ def table(rows) -> str:
     gib = 2 ** 30
     lines = ["| shape | format | checkpoint GiB | export s | export peak RSS GiB | peak / "
              "checkpoint | artifact GiB | load s | RSS the load adds GiB | load RSS / artifact "
-             "| prefill 512 ms (chunks / one call) | decode ms/token at P = 512 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| prefill 512 ms (chunks / one call) | decode ms/token at P = 512 | run peak RSS "
+             "GiB | run peak / artifact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, fmt, ckpt, e, r in rows:
         lines.append(
             f"| {shape} | {fmt} | {ckpt / gib:.2f} | {e['seconds']:.0f} | "
             f"{e['peak_rss'] / gib:.2f} | {e['peak_rss'] / ckpt:.2f}x | {e['bytes'] / gib:.2f} | "
             f"{r['load']:.1f} | {r['rss_load'] / gib:.2f} | {r['rss_load'] / e['bytes']:.2f}x | "
             f"{r['prefill'] * 1e3:,.0f} / {r['prefill_whole'] * 1e3:,.0f} | "
-            f"{r['decode'] * 1e3:.1f} |")
+            f"{r['decode'] * 1e3:.1f} | {r['peak_rss'] / gib:.2f} | "
+            f"{r['peak_rss'] / e['bytes']:.2f}x |")
     return "\n".join(lines)
 
 
