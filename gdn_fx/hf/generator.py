@@ -846,7 +846,9 @@ def router_near_ties(model: nn.Module, sequence: Sequence[int], margin: float) -
     gaps = []
 
     def record(module, inputs, output):
-        logits = output[0].float()
+        logits = (output[0] if isinstance(output, tuple) else output).float()
+        if logits.dim() != 2 or logits.shape[-1] <= module.top_k:
+            return  # not the [tokens, experts] logits this reads: no tie known there
         top = logits.topk(module.top_k + 1, dim=-1).values
         gaps.append((top[:, -2] - top[:, -1]) / logits.abs().amax(-1).clamp_min(1e-30))
 
@@ -857,6 +859,8 @@ def router_near_ties(model: nn.Module, sequence: Sequence[int], margin: float) -
     finally:
         for hook in hooks:
             hook.remove()
+    if not gaps:
+        return []
     closest = torch.stack(gaps).amin(0)
     return [int(i) for i in torch.nonzero(closest < margin).flatten()]
 
