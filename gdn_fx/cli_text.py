@@ -358,6 +358,14 @@ def _check(args, run, checked=None):
     """Every token and logit against transformers' generate on the same model."""
     from gdn_fx.hf.generator import GenerationResult, check_generation
 
+    if checked is None:  # the one prompt's run: tract's model goes before transformers' comes
+        import gc
+
+        from gdn_fx import tract_check
+
+        run.release()
+        gc.collect()
+        tract_check.release_freed_memory()
     model, name = checked or checked_model(args)
     summary = run.summary
     result = GenerationResult(summary.prompt, list(summary.tokens), list(run.logits),

@@ -180,6 +180,12 @@ class TextStream:
     def __iter__(self) -> Iterator[Piece]:
         return self._pieces
 
+    def release(self) -> None:
+        """Drop the engine session (a Generator's loaded model and caches) once the stream
+        has ended; ``summary`` and ``logits`` stay. ``generate --check`` does it before it
+        builds transformers' reference, so that memory never holds both models."""
+        self.session = None
+
     def _text(self, token: int) -> str:
         return self.stops.feed(self.detokenizer.push(token)) if self.detokenizer else ""
 

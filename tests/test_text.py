@@ -285,6 +285,27 @@ def exported(folder, tmp_path_factory):
 
 
 @pytest.mark.slow  # one generation-ready export of the tiny model (~20 s)
+def test_a_finished_stream_releases_tract_s_model(tokenizer, exported):
+    # what generate --check does before it builds transformers' reference: once released,
+    # nothing keeps the Generator (its loaded graph) alive; the summary stays
+    import gc
+    import weakref
+
+    from gdn_fx.hf.generator import Generator
+
+    generator = Generator(exported.main, exported.decode)
+    alive = weakref.ref(generator)
+    run = stream(generator, PROMPT, tokenizer=tokenizer, max_new_tokens=4, keep_logits=True)
+    del generator
+    list(run)
+    gc.collect()
+    assert alive() is not None  # the run's session still holds it
+    run.release()
+    gc.collect()
+    assert alive() is None and len(run.summary.tokens) == 4 and len(run.logits) == 4
+
+
+@pytest.mark.slow  # one generation-ready export of the tiny model (~20 s)
 def test_tract_generates_from_text_what_transformers_generates(folder, tokenizer, model,
                                                                exported):
     from gdn_fx.hf.generator import Generator
