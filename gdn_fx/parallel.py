@@ -4,8 +4,10 @@
     results = generate_all(gen, [[1, 2, 3], [7] * 40], max_new_tokens=64, workers=2)
     runs = stream_all(gen, ["Once upon", "The keeper"], workers=2, tokenizer=tok)
 
-Why threads and not one batched call: the artifact takes one sequence per call (batch 1), and
-tract's wheel runs each matmul on one thread (docs/FACTS.md). tract's Python package calls its
+Why threads: the one-sequence artifact takes one sequence per call, and tract's wheel runs
+each matmul on one thread (docs/FACTS.md); a batched artifact (gdn_fx.hf.batch) serves B
+sequences per call, and ``BatchGenerator.generate(workers=N)`` runs N of its States through
+:func:`serve` the same way. tract's Python package calls its
 C library through ctypes, which releases the GIL for the length of each call, so worker threads
 whose States run at once use as many cores; the loaded model is shared (``Generator.fork``: a
 State of its own per thread, one copy of the weights in memory). Each prompt is served whole
