@@ -461,11 +461,16 @@ def _status(key: str) -> int:
     return 0
 
 
-def child(kind: str, *args: str, module: str = "bench_generate", pinned: bool = True) -> dict:
+def child(kind: str, *args: str, module: str = "bench_generate", pinned: bool = True,
+          site: Optional[Path] = None) -> dict:
     """Run one engine (``module``'s function ``kind``) in a fresh one-thread process; its
-    figures and peak RSS (``pinned=False``: glibc as users have it, see ALLOCATOR)."""
+    figures and peak RSS (``pinned=False``: glibc as users have it, see ALLOCATOR). ``site``:
+    a folder whose gdn_fx is imported instead of this tree's (another revision's, installed
+    there by ``install_revision``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRACT_NUM_THREADS="1",
                RAYON_NUM_THREADS="1")  # the name tract's binary reads is rayon's
+    if site is not None:  # ahead of the editable install's finder, which comes last
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     if not pinned:
         env[UNPINNED] = "1"
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
@@ -475,8 +480,28 @@ def child(kind: str, *args: str, module: str = "bench_generate", pinned: bool = 
             "r = r if isinstance(r, dict) else {'value': r}; "
             "r['peak_rss'] = common.peak_rss(); "
             "print('RESULT', json.dumps(r))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    # python -c puts its folder first on sys.path: from the repository root that is this
+    # tree's gdn_fx, whatever PYTHONPATH says
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=site)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise RuntimeError(f"{kind} failed: {out.stderr[-2000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def install_revision(revision: str) -> Path:
+    """gdn_fx as it was at git ``revision``, installed into a fresh folder (for ``child``'s
+    ``site``): side by side with this tree in one run."""
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    folder = Path(tempfile.mkdtemp(prefix="gdn_fx_rev_"))
+    tree, site = folder / "tree", folder / "site"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", revision], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(site), str(tree)], check=True)
+    return site

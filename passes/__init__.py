@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from gdn_fx.errors import InternalError
-from gdn_fx.passes import chunk_meaning, conv_update, gdn_chunk, gdn_recurrent, hop
+from gdn_fx.passes import chunk_meaning, conv_update, gdn_recurrent, hop
 from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.rebuild import rebuild
 from gdn_fx.passes.result import CHECK_FAILED, VALIDATION_FAILED, CollapseResult, Miss
@@ -34,10 +34,8 @@ RULES: tuple[Rule, ...] = (
     Rule("recurrence", GDN, gdn_recurrent.plan_recurrences, gdn_recurrent.find_unrolled),
     # a loop kept as one scan node; near-misses for other loop HOPs
     Rule("scan_hop", GDN, hop.plan_scan_hops, hop.hop_unrolled),
-    Rule("chunk_template", GDN, gdn_chunk.plan_chunk_templates, gdn_chunk.templated_forms),
-    # chunked forms no template matched
-    Rule("chunk_meaning", GDN, chunk_meaning.plan_chunks_by_meaning,
-         chunk_meaning.untemplated_forms),
+    # chunked forms (prefill): transformers' chunk rules, FLA's references, any chunk algebra
+    Rule("chunk", GDN, chunk_meaning.plan_chunks_by_meaning, chunk_meaning.find_chunk_forms),
     Rule("conv_update", CONV, conv_update.plan_conv_updates, conv_update.find_conv_updates),
 )
 if len({rule.name for rule in RULES}) != len(RULES):
@@ -125,9 +123,8 @@ def _still_standing(misses: list, graph: fx.Graph) -> list:
 def find_unrolled(program: Any, rules: Optional[Sequence[Rule]] = None) -> list[str]:
     """What in ``program`` is frozen at the traced sequence length (empty when nothing is).
 
-    Unrolled recurrence steps, chunked forms (transformers' by template, any other by the
-    shape of the region the meaning rule would decide: FLA's, a per-chunk loop, also when it
-    is not the delta rule), conv updates whose output slice is a literal, and loops kept as
+    Unrolled recurrence steps, chunked forms (by the shape of the region the meaning rule
+    would decide: transformers', FLA's, a per-chunk loop, also when it is not the delta rule), conv updates whose output slice is a literal, and loops kept as
     one higher-order node that no rule fused (``scan``, ``while_loop``: passes/hop.py):
     each rule's ``unrolled`` (``rules``: default ``RULES``).
     """

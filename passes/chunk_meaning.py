@@ -38,7 +38,6 @@ from typing import Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.gdn_chunk import chunked_anchors, chunked_form
 from gdn_fx.passes.layouts import (Layout, batch_heads, group_features, layouts_for,
                                    plan_operands, reference_step)
 from gdn_fx.passes.program import (ASSERT_META, base_of, dtype, fake_mode_of, is_mutation,
@@ -46,8 +45,8 @@ from gdn_fx.passes.program import (ASSERT_META, base_of, dtype, fake_mode_of, is
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
-from gdn_fx.passes.evaluator import (TOLERANCE, Sampler, Verdict, copy_constant, evaluable,
-                                     fitted_scale, one_scale, rel)
+from gdn_fx.passes.evaluator import (TOLERANCE, Float64, Sampler, Verdict, copy_constant,
+                                     evaluable, fitted_scale, one_scale, rel)
 
 NAME = "gated_delta_scan"
 ATEN = torch.ops.aten
@@ -130,15 +129,9 @@ class Fit:
 
 # --- the rule ------------------------------------------------------------------------------
 
-def untemplated_forms(graph: fx.Graph) -> list[str]:
-    """The chunked forms no template names (those are the template rule's to report)."""
-    templated = frozenset(node.name for node, _ in chunked_anchors(graph))
-    return find_chunk_forms(graph, templated)
-
-
 def plan_chunks_by_meaning(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
-    """The rule: every chunked gated-delta region found by meaning (the forms no template
-    matched) around the graph's cumsums; a fusion's key names the region's anchor."""
+    """The rule: every chunked gated-delta region found by meaning around the graph's
+    cumsums; a fusion's key names the region's anchor."""
     anchors = _anchors(graph)
     if not anchors:  # the usual case once the other rules ran: no walk
         return [], []
@@ -173,21 +166,19 @@ def plan_chunks_by_meaning(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
     return fusions, misses
 
 
-def find_chunk_forms(graph: fx.Graph, skip: frozenset = frozenset()) -> list[str]:
+def find_chunk_forms(graph: fx.Graph) -> list[str]:
     """The chunked regions the rule would decide, found by structure alone (no evaluation):
     a floating cumsum of static shape with a region around it whose inputs are five sequence
     tensors of one length (and maybe a state). Each is frozen at its traced length, whether
-    it computes the delta rule or not. Anchors named in ``skip`` are left out (gdn_chunk's
-    finder names transformers' forms)."""
-    anchors = [n for n in _anchors(graph) if n.name not in skip and all(
-        isinstance(d, int) for d in shape(n))]
+    it computes the delta rule or not."""
+    anchors = [n for n in _anchors(graph) if all(isinstance(d, int) for d in shape(n))]
     if not anchors:
         return []
     facts, found = Facts.of(graph), []
     for anchor in anchors:
         length = _shaped_length(anchor, facts)
         if length is not None:
-            found.append(chunked_form(anchor, length))
+            found.append(f"chunked gated-delta form at node {anchor.name} (length {length})")
     return found
 
 
@@ -252,7 +243,8 @@ def _decide_anchor(anchor: fx.Node, facts: Facts, taken: set) -> Optional[Verdic
             if value.target in COPIES and len(run) > 1:
                 continue  # a copy or cast of the output is its reader's (operand peeling
                 # walks through it, and must find the fused value there)
-            verdict = _decide_end(anchor, value, final, end, facts, taken)
+            verdict = _decide_end(anchor, value, final, end, facts, taken,
+                                  best.region[0] if best else None)
             if verdict is not None:
                 tries += 1
                 if verdict.layout is not None:
@@ -354,17 +346,19 @@ def _outputs(live: list):
             yield value, final
 
 
-def _decide_end(anchor, value, final, end: int, facts: Facts, taken: set
-                ) -> Optional[Verdict]:
+def _decide_end(anchor, value, final, end: int, facts: Facts, taken: set,
+                extends: Optional[Cut] = None) -> Optional[Verdict]:
     """Cut the region ending at ``end`` back to its inputs and decide it; None when no cut
-    has the shapes of the op's operands. The widest cut is tried first; when it does not
+    has the shapes of the op's operands, or when it would not extend the agreeing region
+    ``extends`` (a later chunk of a per-chunk loop computes from the earlier chunks' output:
+    a region that does not is no wider one). The widest cut is tried first; when it does not
     agree (the walk went past the region's inputs into the caller's gate or norm), the
     narrowest, then the last agreeing cut is found by bisection (cuts agree up to the
     region's real inputs and not beyond)."""
     core = _closure([value] + ([final] if final is not None else []), facts.order[anchor],
                     end, facts)
-    if core & taken:  # another region's
-        return None
+    if core & taken or (extends is not None and extends.value not in core):
+        return None  # another region's, or no extension of the one that agrees
     cuts = list(_cuts(core, value, final, end, facts, taken))
     if not cuts:
         return None
@@ -387,12 +381,19 @@ def _decide_end(anchor, value, final, end: int, facts: Facts, taken: set
 
 def _decide_cut(cut: Cut, fits: list, facts: Facts) -> Verdict:
     """The first reading of the cut's inputs under which the region is the delta rule, else
-    the nearest."""
-    problem = _leak(cut, facts)
+    the nearest. The region is run once, at points drawn by its inputs' shapes: the readings
+    only differ in how the reference reads those points."""
+    problem = _leak(cut, facts) or _low_float(cut)
+    if not problem:
+        try:
+            sampler, points = _sampler(cut, facts.order)
+        except NoMatch as miss:
+            problem = miss.reason
+    if problem:
+        return Verdict(reason=problem, region=(cut, fits[0]))
     nearest = None
-    for fit in fits:
-        verdict = Verdict(reason=problem, region=(cut, fit)) if problem else \
-            _evaluate(cut, fit, facts.order)
+    for fit in _causal(cut, fits, sampler, points[0]) or fits:
+        verdict = _evaluate(cut, fit, sampler, points)
         if verdict.layout is not None:
             return verdict
         if nearest is None or _closer(verdict, nearest):
@@ -566,21 +567,52 @@ def _draw(dims, gen: torch.Generator) -> torch.Tensor:
     return torch.rand(dims, generator=gen, dtype=torch.float64).mul_(2 * scale).sub_(scale)
 
 
-def _evaluate(cut: Cut, fit: Fit, order: dict) -> Verdict:
+def _causal(cut: Cut, fits: list, sampler: Sampler, point) -> list:
+    """The fits whose time axes the region is causal along: a change at an input's last
+    position leaves the output's earlier positions as they were (a head axis as long as
+    the sequence changes them all). Probed only for inputs with a choice of axes, one run
+    each: the readings are many where T equals H, each scored under every layout."""
+    choices = {}
+    for fit in fits:
+        for node, axis in fit.groups:
+            choices.setdefault(node, set()).add(axis)
+    runs, value = {}, point[1][0]
+
+    def causal(node, axis, v_axis) -> bool:
+        if (node, axis) not in runs:
+            moved = [x.clone() for x in point[0]]
+            moved[cut.inputs.index(node)].select(axis, -1).add_(1.0)
+            runs[node, axis] = Float64(sampler.owner, graph=sampler.graph).run(*moved)[0]
+        earlier = value.shape[v_axis] - 1
+        return rel(runs[node, axis].narrow(v_axis, 0, earlier),
+                   value.narrow(v_axis, 0, earlier)) <= TOLERANCE
+
+    return [fit for fit in fits if all(causal(node, axis, fit.value_axis)
+                                       for node, axis in fit.groups if len(choices[node]) > 1)]
+
+
+def _low_float(cut: Cut) -> str:
     low = [n for n in cut.nodes if dtype(n) in LOW_FLOATS]
-    if low:  # float64 cannot see a rounding to f16/bf16 inside the region
-        return Verdict(reason=f"the region computes {low[0].name} in {dtype(low[0])}; by "
-                              "meaning only in f32 or f64", region=(cut, fit))
+    if not low:
+        return ""  # float64 cannot see a rounding to f16/bf16 inside the region
+    return f"the region computes {low[0].name} in {dtype(low[0])}; by meaning only in f32 or f64"
+
+
+def _sampler(cut: Cut, order: dict) -> tuple[Sampler, list]:
+    """The region cut out and its points (reaching both sides of each clamp, where...:
+    evaluator.py); NoMatch when it cannot be run so."""
     owner = cut.value.graph.owning_module or torch.nn.Module()
     sampler = Sampler(owner, cut_out(cut, order),
                       lambda gen: [_draw(shape(n), gen) for n in cut.inputs], "chunk")
-    try:  # with points that reach both sides of each clamp, where... (evaluator.py)
-        points = sampler.points()
-    except NoMatch as miss:
-        return Verdict(reason=miss.reason, region=(cut, fit))
+    try:
+        return sampler, sampler.points()
+    except NoMatch:
+        raise
     except Exception as error:  # noqa: BLE001 (a region that does not run on its own)
-        return Verdict(reason=f"the region does not run on its own: {error}",
-                       region=(cut, fit))
+        raise NoMatch(f"the region does not run on its own: {error}") from None
+
+
+def _evaluate(cut: Cut, fit: Fit, sampler: Sampler, points: list) -> Verdict:
     # a switch may act on any entry: the rule is then run for every head, not two
     prefix, prepared, every = [], {}, bool(sampler.switches)
     for i, layout in enumerate(fit.layouts):

@@ -16,8 +16,7 @@ import torch
 from torch import fx
 
 from gdn_fx.errors import InternalError
-from gdn_fx.passes.match import is_dead
-from gdn_fx.passes.program import is_pure
+from gdn_fx.passes.program import is_pure, reachable
 
 ASSERT_META = torch.ops.aten._assert_tensor_metadata.default
 
@@ -86,3 +85,8 @@ def _left_behind(graph: fx.Graph, fusions: list[Fusion]) -> set:
             gone.add(node)
     gone |= {n for n in graph.nodes if n.target is ASSERT_META and n.args[0] in gone}
     return gone
+
+
+def is_dead(node: fx.Node) -> bool:
+    """A pure node whose value, directly or through other pure nodes, reaches nothing."""
+    return all(map(is_pure, reachable([node], lambda n: n.users if is_pure(n) else ())))

@@ -100,15 +100,17 @@ def test_a_right_fusion_of_any_rule_is_made():
 def test_an_unknown_family_is_an_error_not_another_familys_shapes():
     from gdn_fx.errors import UnknownName
     from gdn_fx.hf.dropins import make_rule
-    from gdn_fx.passes.chunk_templates import ChunkShape
+    from gdn_fx.hf.rule_kinds import kind_named
 
     with pytest.raises(UnknownName, match="'gla'"):
-        ChunkShape("gla", 1, 2, 8, 4, 4, 64)
+        kind_named("gla")
     with pytest.raises(UnknownName, match="'gla'"):
         make_rule(None, "gla", "recurrent", exact=True)
-    # the two known ones differ where the families do: the gate's shape
-    assert ChunkShape("kda", 1, 2, 8, 4, 6, 64).example()[3].shape == (1, 8, 2, 4)
-    assert ChunkShape("gdn", 1, 2, 8, 4, 6, 64).example()[3].shape == (1, 8, 2)
+    # the two known ones differ where the families do: function names and q's preparation
+    gdn, kda = kind_named("gdn"), kind_named("kda")
+    assert gdn.names == ("torch_recurrent_gated_delta_rule", "torch_chunk_gated_delta_rule")
+    assert kda.names == ("recurrent_kimi_delta_attention", "chunk_kimi_delta_attention")
+    assert (gdn.divides_q, kda.divides_q) == (True, False)
 
 
 def test_rules_have_distinct_names_and_report_what_they_would_fuse():

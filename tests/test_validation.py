@@ -7,14 +7,15 @@ while ``verify=False`` shows that the broken rewrite really is wrong (so the tes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import gdn_fx
 import gdn_fx.passes as passes
-import gdn_fx.passes.gdn_chunk as gdn_chunk
+import gdn_fx.passes.chunk_meaning as chunk_meaning
 import gdn_fx.passes.gdn_recurrent as gdn_recurrent
-from gdn_fx.passes.chunk_templates import ChunkShape, template_scale
 from tests.programs import export_form, flat, max_rel, run
 
 B, H, T, DK, DV = 1, 2, 4, 4, 6
@@ -113,31 +114,42 @@ def test_only_the_wrong_fusion_is_rolled_back(monkeypatch):
     assert _error(result.program, module) < 1e-4
 
 
+def _halve_scale(real):
+    """plan_scan as the rule calls it, with the op's q scale halved."""
+    def plan(region, ops, order, mode):
+        return real(region, dataclasses.replace(ops, scale=ops.scale / 2), order, mode)
+    return plan
+
+
 def test_a_chunk_fusion_with_a_wrong_scale_is_rolled_back(monkeypatch):
     from tests.test_collapse_chunk import ChunkRule, inputs  # transformers' own chunked rule
 
     program = export_form(ChunkRule(), inputs(8), "training")
-    monkeypatch.setattr(gdn_chunk, "template_scale", lambda shape: 0.5)
-    assert gdn_fx.collapse(program, verify=False).counts["gated_delta_scan"] == 1
-    rules = tuple(r for r in passes.RULES if r.name != "chunk_meaning")
-    result = gdn_fx.collapse(program, rules=rules)
+    right = gdn_fx.collapse(program)
+    assert right.counts["gated_delta_scan"] == 1
+    monkeypatch.setattr(chunk_meaning, "plan_scan", _halve_scale(chunk_meaning.plan_scan))
+    wrong = gdn_fx.collapse(program, verify=False)
+    assert wrong.counts["gated_delta_scan"] == 1
+    assert gdn_fx.compare_programs(program, wrong.program) is not None
+    result = gdn_fx.collapse(program)
     assert result.counts["gated_delta_scan"] == 0
     assert any(m.kind == passes.VALIDATION_FAILED for m in result.misses)
-    # with every rule, what the template rule left is recognized by meaning (chunk_meaning.py)
-    # at the scale it computes
+    assert gdn_fx.compare_programs(program, right.program) is None
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_the_chunk_rules_q_scale_is_the_one_transformers_applies(kda):
+    # without the in-kernel l2norm q's scale shows in the output: transformers' chunk rules
+    # (5.24) multiply q by 1 / sqrt(Dk), GDN before padding, KDA after; Dk = 8 here
+    from tests.test_collapse_chunk import ChunkRule, inputs
+
+    args = inputs(70, groups=1 if kda else 2, kda=kda)
+    program = export_form(ChunkRule(kda=kda, l2norm=False), args, "training")
     result = gdn_fx.collapse(program)
-    assert result.counts["gated_delta_scan"] == 1
     (node,) = [n for n in result.program.graph.nodes
                if n.target is torch.ops.gdn_fx.gated_delta_scan.default]
-    assert node.kwargs["scale"] == pytest.approx(8 ** -0.5)
+    assert node.kwargs == dict(scale=pytest.approx(8 ** -0.5), qk_l2norm=False)
     assert gdn_fx.compare_programs(program, result.program) is None
-
-
-def test_the_chunk_templates_q_scale_is_measured_from_transformers():
-    # transformers 5.24: the GDN rule scales q before padding (outside the cut template),
-    # KDA's after (inside it); read off their source, not computed by the code under test.
-    assert template_scale(ChunkShape("gdn", 1, 2, 70, 8, 8, 64)) == 1.0
-    assert template_scale(ChunkShape("kda", 1, 2, 70, 8, 8, 64)) == pytest.approx(8 ** -0.5)
 
 
 def test_compare_programs_says_why_two_programs_differ():

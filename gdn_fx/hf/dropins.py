@@ -24,7 +24,7 @@ import gdn_fx.ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
 from gdn_fx.errors import UnsupportedModel
 from gdn_fx.hf import compat, patching
 from gdn_fx.hf.patching import CONV_FN, CONV_UPDATE, ModelingModule
-from gdn_fx.passes.rule_kinds import kind_named
+from gdn_fx.hf.rule_kinds import kind_named
 
 SCAN = torch.ops.gdn_fx.gated_delta_scan
 CONV = torch.ops.gdn_fx.causal_conv1d_update

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from gdn_fx.errors import PatchError
 from gdn_fx.hf import compat
-from gdn_fx.passes.rule_kinds import KINDS
+from gdn_fx.hf.rule_kinds import KINDS
 
 # family name -> (recurrent, chunk) function names, read off the one record per family
 RULE_NAMES = {name: kind.names for name, kind in KINDS.items()}
