@@ -30,9 +30,10 @@ says how far off it is and where its output first goes wrong (which chunk, which
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -93,7 +94,7 @@ class Facts:
         return Facts(nodes, order, dead, last_use)
 
     def constant(self, node: fx.Node) -> bool:
-        """step_meaning.evaluable, remembered (the walk back asks again at every step)."""
+        """evaluator.evaluable, remembered (the walk back asks again at every step)."""
         known = self.constants.get(node)
         if known is None:
             known = self.constants[node] = evaluable(node)
@@ -124,7 +125,12 @@ class Fit:
     groups: list  # (input, time axis), the order layouts index
     value_axis: int
     length: int
-    layouts: list
+    out_shape: list
+
+    @functools.cached_property
+    def layouts(self) -> list:
+        """Made when first asked: most readings are dropped before (causality, bisection)."""
+        return list(layouts_for(list(self.state_shape), self.groups, self.out_shape))
 
 
 # --- the rule ------------------------------------------------------------------------------
@@ -477,10 +483,10 @@ def _cuts(core: set, value: fx.Node, final, end: int, facts: Facts, taken: set):
         if any(not is_mutation(u) for u in facts.read_outside(latest, nodes)):
             blocked.add(latest)  # also read outside: it stays an input
             continue
-        taken = [latest] + [w for w in _writes_into(latest, end, order) if w not in nodes]
-        nodes |= set(taken)
-        frontier -= set(taken)
-        frontier |= {a for t in taken for a in t.all_input_nodes if a not in nodes}
+        absorbed = [latest] + [w for w in _writes_into(latest, end, order) if w not in nodes]
+        nodes |= set(absorbed)
+        frontier -= set(absorbed)
+        frontier |= {a for t in absorbed for a in t.all_input_nodes if a not in nodes}
         since += 1
 
 
@@ -502,10 +508,9 @@ def _fits(inputs: list, value: fx.Node, final: Optional[fx.Node], nodes: set) ->
             for axes in itertools.product(*[_axes_of(n, length, state_shape) for n in seqs]):
                 groups = list(zip(seqs, axes))
                 out_shape = [d for i, d in enumerate(shape(value)) if i != v_axis]
-                layouts = list(layouts_for(list(state_shape), groups, out_shape))
-                if layouts:
+                if next(layouts_for(list(state_shape), groups, out_shape), None):
                     fits.append(Fit(state, tuple(state_shape), groups, v_axis, length,
-                                    layouts))
+                                    out_shape))
     return fits
 
 
@@ -613,16 +618,33 @@ def _sampler(cut: Cut, order: dict) -> tuple[Sampler, list]:
 
 
 def _evaluate(cut: Cut, fit: Fit, sampler: Sampler, points: list) -> Verdict:
-    # a switch may act on any entry: the rule is then run for every head, not two
-    prefix, prepared, every = [], {}, bool(sampler.switches)
-    for i, layout in enumerate(fit.layouts):
+    """The first layout of ``fit`` under which the region is the delta rule; then the same
+    with q and k L2-normalized inside the region (the op's qk_l2norm, as the step rule
+    tries them); else the nearest of the first."""
+    prepared = {}  # the points sliced by heads, shared by every layout
+    normed = [replace(lay, qk_l2norm=True) for lay in fit.layouts if "kb" not in lay.roles]
+    first = _evaluate_pool(cut, fit, fit.layouts, points, prepared, bool(sampler.switches))
+    if first.layout is None and normed:
+        second = _evaluate_pool(cut, fit, normed, points, prepared, bool(sampler.switches))
+        if second.layout is not None:
+            return second
+    first.reason = sampler.named(first.reason)
+    return first
+
+
+def _evaluate_pool(cut: Cut, fit: Fit, layouts: list, points: list, prepared: dict,
+                   every: bool) -> Verdict:
+    """Every layout first on the first positions, the ones that agree there along the whole
+    sequence, at the scale the first positions gave. ``every``: a switch may act on any
+    entry, so the rule is run for every head, not two."""
+    prefix = []
+    for i, layout in enumerate(layouts):
         error, _, scale, _ = _score(layout, fit, cut, points, PREFIX, explain=False,
                                     prepared=prepared, every=every)
         prefix.append((error, i, layout, scale))
     prefix.sort(key=lambda item: item[:2])
     survivors = [(lay, c) for error, _, lay, c in prefix if error <= TOLERANCE]
     best = Verdict(region=(cut, fit), partial=bool(survivors))
-    # the others along the whole sequence, at the scale the first positions gave
     for layout, c in survivors or [prefix[0][2:]]:
         out_error, state_error, scale, where = _score(layout, fit, cut, points, fit.length,
                                                       scale=c, prepared=prepared,
@@ -633,7 +655,6 @@ def _evaluate(cut: Cut, fit: Fit, sampler: Sampler, points: list) -> Verdict:
         if out_error + state_error < best.error:
             best = Verdict(None, out_error, state_error, layout, where, (cut, fit),
                            bool(survivors))
-    best.reason = sampler.named(best.reason)
     return best
 
 
