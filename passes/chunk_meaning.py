@@ -41,16 +41,14 @@ from torch import fx
 
 from gdn_fx.passes.layouts import (Layout, batch_heads, group_features, layouts_for,
                                    plan_operands, reference_step)
-from gdn_fx.passes.program import (ASSERT_META, base_of, dtype, fake_mode_of, is_mutation,
+from gdn_fx.passes.program import (ASSERT_META, ATEN, base_of, dtype, fake_mode_of, is_mutation,
                                    is_pure, shape)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
-from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
+from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
 from gdn_fx.passes.evaluator import (TOLERANCE, Float64, Sampler, Verdict, copy_constant,
                                      evaluable, fitted_scale, one_scale, rel)
 
-NAME = "gated_delta_scan"
-ATEN = torch.ops.aten
 PREFIX = 3  # positions on which every layout is tried before the whole sequence
 END_SCAN = 20000  # nodes after the anchor searched for the region's end
 END_TRIES = 4  # evaluated ends per anchor before giving up (until one agrees)
@@ -148,22 +146,15 @@ def plan_chunks_by_meaning(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
             continue
         try:
             verdict = _decide_anchor(anchor, facts, taken)
-        except NoMatch as err:
-            misses.append(Miss(NAME, f"chunked form by meaning: {err.reason}",
-                               node=err.node or anchor.name))
-            continue
-        if verdict is None:
-            continue  # nothing around this cumsum is shaped like a chunked region
-        if verdict.layout is None:
-            misses.append(Miss(NAME, f"chunked form by meaning: {_not_delta(verdict)}",
-                               node=anchor.name))
-            continue
-        # an earlier region's output may be this one's operand; its other nodes are gone
-        cuts = [v.region[0] for v in proven]
-        claimed = taken - {c.value for c in cuts} - {c.final for c in cuts}
-        taken = taken | verdict.region[0].nodes
-        proven.append(verdict)
-        try:
+            if verdict is None:
+                continue  # nothing around this cumsum is shaped like a chunked region
+            if verdict.layout is None:
+                raise NoMatch(_not_delta(verdict))
+            # an earlier region's output may be this one's operand; its other nodes are gone
+            cuts = [v.region[0] for v in proven]
+            claimed = taken - {c.value for c in cuts} - {c.final for c in cuts}
+            taken = taken | verdict.region[0].nodes
+            proven.append(verdict)
             mode = mode or fake_mode_of(graph)
             fusions.append(_plan(verdict, anchor, facts.order, mode, claimed))
         except NoMatch as err:

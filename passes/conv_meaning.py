@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from gdn_fx.passes.program import (ASSERT_META, add_node, base_of, dtype, fake_mode_of, is_alias,
-                                   is_mutation, reachable, shape)
+from gdn_fx.passes.program import (ASSERT_META, ATEN, add_node, base_of, dtype, fake_mode_of,
+                                   is_alias, is_mutation, positions, reachable, shape)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.evaluator import (TOLERANCE, Sampler, Verdict, copy_constant, evaluable,
@@ -46,7 +46,6 @@ from gdn_fx.passes.evaluator import (TOLERANCE, Sampler, Verdict, copy_constant,
 
 NAME = "causal_conv1d_update"
 CONV_OP = torch.ops.gdn_fx.causal_conv1d_update.default
-ATEN = torch.ops.aten
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_KERNEL = 16
 BACK = 60   # nodes before the weight's first reader where the region may start
@@ -106,17 +105,10 @@ def weight_seeds(graph: fx.Graph, claimed: frozenset = frozenset()) -> list:
             continue
         if not 2 <= dims[-1] <= MAX_KERNEL or not node.users:
             continue
-        if _feeds_fused(node, claimed):
+        if any(u.target is CONV_OP or u in claimed for u in _near_users(node, 4)):
             continue
         seeds.append(node)
     return seeds
-
-
-def _feeds_fused(node: fx.Node, claimed: frozenset, depth: int = 3) -> bool:
-    if depth < 0:
-        return False
-    return any(u.target is CONV_OP or u in claimed or _feeds_fused(u, claimed, depth - 1)
-               for u in node.users)
 
 
 def _forward(starts, limit: int, order: dict) -> set:
@@ -317,15 +309,9 @@ def _from_first(value, layout):
 
 
 def _layouts(dims: tuple, channels: int, kinds) -> list:
-    found = []
-    for kind in kinds:
-        if kind == "bc" and len(dims) == 2 and dims[1] == channels:
-            found.append(kind)
-        elif kind in ("bct", "cw") and len(dims) == 3 and dims[1] == channels:
-            found.append(kind)
-        elif kind in ("btc", "wc") and len(dims) == 3 and dims[2] == channels:
-            found.append(kind)
-    return found
+    """The kinds of ``kinds`` that put ``channels`` where ``dims`` has it."""
+    where = {"bc": (2, 1), "bct": (3, 1), "cw": (3, 1), "btc": (3, 2), "wc": (3, 2)}
+    return [k for k in kinds if len(dims) == where[k][0] and dims[where[k][1]] == channels]
 
 
 def _seq(dims, layout) -> int:
@@ -374,8 +360,7 @@ def decide(region: Region) -> Verdict:
 
 
 def _score(region: Region, layout: Layout, draws) -> Verdict:
-    worst_out, worst_state, roles = 0.0, 0.0, {}
-    detail = {}
+    worst_out, worst_state, roles, detail = 0.0, 0.0, {}, {}
     for before, got in draws:
         x, s, w = before[0], before[1], before[2]
         b = before[3] if layout.bias else None
@@ -385,14 +370,13 @@ def _score(region: Region, layout: Layout, draws) -> Verdict:
         out, s_after, exits = got[0], got[1], got[2:]
         worst_out = max(worst_out, _rel(out, want_out))
         detail.setdefault("out", (out, ref_out, x, s, w, b))
-        new_first = ref_new
         if region.state_written:
-            worst_state = max(worst_state, _rel(s_after, _from_first(new_first, layout.state)))
+            worst_state = max(worst_state, _rel(s_after, _from_first(ref_new, layout.state)))
             detail.setdefault("state", (s_after, layout.state, x, s))
         for node, value in zip(region.exits, exits):
-            role = _exit_role(value, want_out, new_first, layout)
+            role = _exit_role(value, want_out, ref_new, layout)
             if role is None:
-                errs = [_rel(value, _from_first(new_first, k)) for k in ("cw", "wc")]
+                errs = [_rel(value, _from_first(ref_new, k)) for k in ("cw", "wc")]
                 worst_state = max(worst_state, min(errs))
                 detail.setdefault("state", (value, "cw" if errs[0] <= errs[1] else "wc", x, s))
             elif roles.get(node, role) != role:
@@ -410,12 +394,12 @@ def _score(region: Region, layout: Layout, draws) -> Verdict:
                    reason=_explain(region, layout, worst_out, worst_state, detail))
 
 
-def _exit_role(value, want_out, new_first, layout):
+def _exit_role(value, want_out, ref_new, layout):
     if isinstance(value, torch.Tensor):
         if _rel(value, want_out) <= TOLERANCE:
             return ("out", layout.out)
         for kind in ("cw", "wc"):
-            if _rel(value, _from_first(new_first, kind)) <= TOLERANCE:
+            if _rel(value, _from_first(ref_new, kind)) <= TOLERANCE:
                 return ("state", kind)
     return None
 
@@ -461,7 +445,7 @@ def _explain(region, layout, worst_out, worst_state, detail) -> str:
 def find_updates(graph: fx.Graph, claimed: frozenset = frozenset()) -> tuple[list, list]:
     """(proven regions, near-misses with the region's nodes) for every unfused weight
     (``claimed``: convs the structural rule plans to fuse)."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
+    order = positions(graph)
     proven, misses, taken = [], [], set()
     for weight in weight_seeds(graph, claimed):
         channels, kernel = shape(weight)[0], shape(weight)[-1]
@@ -571,7 +555,7 @@ def plan_by_meaning(graph: fx.Graph, missed: set, claimed: frozenset
     proven, found_misses = find_updates(graph, claimed)
     misses = [miss for miss, nodes in found_misses if not nodes & missed]
     fusions, moot, mode = [], set(), None
-    order = {node: i for i, node in enumerate(graph.nodes)}
+    order = positions(graph)
     for verdict in proven:
         mode = mode or fake_mode_of(graph)
         fusions.append(_fusion(verdict, order, mode))
@@ -625,11 +609,9 @@ def _fusion(verdict: Verdict, order: dict, mode) -> Fusion:
 
 def _finish(op, value, kind, want):
     if kind in ("btc", "wc"):
-        value = op(ATEN.transpose.int, value, 1, 2)
+        value = op(ATEN.contiguous.default, op(ATEN.transpose.int, value, 1, 2))
     elif kind == "bc":
         value = op(ATEN.squeeze.dims, value, [-1])
-    if kind in ("btc", "wc"):
-        value = op(ATEN.contiguous.default, value)
     if dtype(value) != want:
         value = op(ATEN._to_copy.default, value, dtype=want)
     return value

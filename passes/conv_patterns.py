@@ -23,9 +23,8 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from gdn_fx.passes.program import ASSERT_META, dtype, shape, val
+from gdn_fx.passes.program import ASSERT_META, ATEN, dtype, shape, val
 
-ATEN = torch.ops.aten
 CONVS = (ATEN.conv1d.default, ATEN.conv1d.padding, ATEN.convolution.default)
 SLICES = (ATEN.slice.Tensor, ATEN.slice_copy.Tensor)
 CASTS = (ATEN.to.dtype, ATEN.to.dtype_layout, ATEN.to.device, ATEN._to_copy.default,

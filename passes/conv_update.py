@@ -32,15 +32,12 @@ from gdn_fx.passes.conv_patterns import (
     number, read_chain, read_feed, real_users, shorten_feed, single, slice_args, start_in,
     tails,
 )
-from gdn_fx.passes.conv_meaning import plan_by_meaning
-from gdn_fx.passes.program import (add_node, copy_meta, dtype, fake_mode_of, shape, val,
-                                   writes_into)
+from gdn_fx.passes.conv_meaning import CONV_OP, NAME, plan_by_meaning
+from gdn_fx.passes.program import (ATEN, add_node, copy_meta, dtype, fake_mode_of, positions, shape,
+                                   val, writes_into)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 
-NAME = "causal_conv1d_update"
-CONV_OP = torch.ops.gdn_fx.causal_conv1d_update.default
-ATEN = torch.ops.aten
 WIDER = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32,
          torch.float64), torch.float32: (torch.float64,)}
 ZERO_MAKERS = (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
@@ -88,7 +85,7 @@ def plan_conv_updates(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
 def _plan_patterns(graph: fx.Graph) -> tuple[list[Fusion], list[Miss], set]:
     """The structural rule: (fusions, near-misses, names of the convs that got one)."""
     fusions, misses, missed = [], [], set()
-    order, mode = _order(graph), None
+    order, mode = positions(graph), None
     for node in conv_nodes(graph):
         try:
             plan = _plan(node, order)
@@ -120,10 +117,6 @@ def find_conv_updates(gm: Union[fx.GraphModule, fx.Graph]) -> list[str]:
                              f"{link.node.name} keeps [{_bounds(link.node)}] of the time axis, "
                              "a bound fixed at the traced sequence length")
     return found
-
-
-def _order(graph: fx.Graph) -> dict:
-    return {node: i for i, node in enumerate(graph.nodes)}
 
 
 def _frozen(node: fx.Node) -> bool:

@@ -104,7 +104,8 @@ class Sampler:
     drawn); ``points`` adds the ones that reach both sides of its switches."""
 
     def __init__(self, owner: torch.nn.Module, graph: fx.Graph, draw: Callable, rule: str):
-        self.owner, self.graph, self.draw, self.gen = owner, graph, draw, seeded(rule)
+        self.owner, self.graph, self.draw = owner, graph, draw
+        self.gen = torch.Generator().manual_seed(SEEDS[rule])
         self.switches = switches(graph)
 
     def point(self) -> tuple:
@@ -162,11 +163,6 @@ def _has_tensor(value) -> bool:
     if isinstance(value, dict):
         return any(_has_tensor(v) for v in value.values())
     return False
-
-
-def seeded(rule: str) -> torch.Generator:
-    """The generator a rule draws its points from (``SEEDS``)."""
-    return torch.Generator().manual_seed(SEEDS[rule])
 
 
 def evaluable(node: fx.Node, depth: int = 0) -> bool:

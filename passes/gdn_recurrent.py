@@ -28,14 +28,13 @@ from gdn_fx.passes.layouts import Layout, Plan, plan_operands
 from gdn_fx.passes.loop_outputs import gather
 from gdn_fx.passes.loops import (Cluster, Loop, Step, cut_steps, descendants_in, find_clusters,
                                  state_like, step_candidates, tag_window, walk_body)
-from gdn_fx.passes.program import fake_mode_of, is_pure, mutates, shape
+from gdn_fx.passes.program import fake_mode_of, is_pure, mutates, positions, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
-from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
+from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
 from gdn_fx.passes.evaluator import Verdict
 from gdn_fx.passes.step_meaning import decide
 
-NAME = "gated_delta_scan"
 LOOP_LIKE = 3  # a loop reading this many tensors position by position gets a near-miss
 
 
@@ -51,7 +50,7 @@ class Recurrence:
 def plan_recurrences(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
     """The rule: every whole unrolled loop that is the delta rule; a fusion's key names the
     region's first step output."""
-    order = _order(graph)
+    order = positions(graph)
     found, misses = find_recurrences(graph, order)
     # the mode of the operands the fused nodes read (not a walk over the whole graph)
     operands = [n for rec in found for n in rec.plan.operands.nodes.values()]
@@ -65,11 +64,9 @@ def plan_recurrences(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
     return fusions, misses
 
 
-def find_recurrences(graph: fx.Graph, order: Optional[dict] = None
-                     ) -> tuple[list[Recurrence], list[Miss]]:
+def find_recurrences(graph: fx.Graph, order: dict) -> tuple[list[Recurrence], list[Miss]]:
     """Every loop that is the delta rule, and a near-miss for each loop-like one that is not.
-    ``order``: node -> position in ``graph`` (computed when not given)."""
-    order = order or _order(graph)
+    ``order``: node -> position in ``graph``."""
     found, misses = [], []
     for cluster, tags, candidates in _candidates(graph, order):
         if isinstance(candidates, NoMatch):
@@ -91,7 +88,7 @@ def find_recurrences(graph: fx.Graph, order: Optional[dict] = None
 
 def find_unrolled(graph: fx.Graph) -> list[str]:
     """Descriptions of loops over time still unrolled in the graph (found by structure)."""
-    order, found = _order(graph), []
+    order, found = positions(graph), []
     for cluster, tags, candidates in _candidates(graph, order):
         for outs in () if isinstance(candidates, NoMatch) else candidates:
             try:
@@ -134,10 +131,6 @@ def _miss(err: NoMatch, length: int) -> Miss:
     return Miss(NAME, err.reason, node=err.node, step=err.step, of=length)
 
 
-def _order(graph: fx.Graph) -> dict:
-    return {node: i for i, node in enumerate(graph.nodes)}
-
-
 def _recurrence(cluster: Cluster, tags: dict, outs: list, order: dict) -> Recurrence:
     loop = cut_steps(cluster, tags, outs, order)
     _check_reads(loop.steps[:-1])  # the last step's body is known once its new state is
@@ -145,14 +138,12 @@ def _recurrence(cluster: Cluster, tags: dict, outs: list, order: dict) -> Recurr
     last, layout = _last_step(loop, cluster, tags, order, layout)
     _check_reads(loop.steps)
     gathered = gather(outs, order)
-    final = last.state_out
-    region = ScanRegion(_region_nodes(loop), gathered.value, gathered.axis, final, outs[0],
-                        gathered.erase)
+    region = ScanRegion({n for step in loop.steps for n in step.body}, gathered.value,
+                        gathered.axis, last.state_out, outs[0], gathered.erase)
     _check_leaks(loop, region)
     plan = plan_operands(layout, loop.groups, loop.steps[0].state_in, shape(gathered.value),
                          gathered.axis, loop.length)
-    region.out_steps = plan.out_steps
-    region.final_steps = plan.final_steps
+    region.out_steps, region.final_steps = plan.out_steps, plan.final_steps
     check_dtypes(region, plan.operands)
     return Recurrence(region, plan, loop.length)
 
@@ -328,10 +319,6 @@ def _same_literal(x, y) -> bool:
         return bool(x == y)
     except Exception:  # noqa: BLE001 (a tensor literal: not comparable, so not the same)
         return False
-
-
-def _region_nodes(loop: Loop) -> set:
-    return {n for step in loop.steps for n in step.body}
 
 
 def _check_leaks(loop: Loop, region: ScanRegion) -> None:

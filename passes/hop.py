@@ -19,17 +19,15 @@ from torch import fx
 
 from gdn_fx.passes.layouts import plan_operands
 from gdn_fx.passes.loops import Step
-from gdn_fx.passes.program import fake_mode_of, shape, val
+from gdn_fx.passes.program import ATEN, fake_mode_of, positions, shape, val
 from gdn_fx.passes.result import Miss, NoMatch
-from gdn_fx.passes.scan_fusion import ScanRegion, check_dtypes, plan_scan
+from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
 from gdn_fx.passes.step_meaning import decide
 
-ATEN = torch.ops.aten
 
 # The higher-order operators that repeat a body (torch._higher_order_ops).
 LOOPS = frozenset({"scan", "while_loop", "while_loop_stack_output", "map_impl",
                    "associative_scan"})
-RULE = "gated_delta_scan"  # the op such a loop could be: the near-miss is that rule's
 
 
 def loop_hops(graph: fx.Graph) -> list[fx.Node]:
@@ -40,7 +38,7 @@ def loop_hops(graph: fx.Graph) -> list[fx.Node]:
                                        target=getattr(torch.ops.higher_order, name))]
     if len(found) < 2:
         return found
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = positions(graph)
     return sorted(found, key=order.__getitem__)
 
 
@@ -78,7 +76,7 @@ def plan_scan_hops(graph: fx.Graph) -> tuple[list, list[Miss]]:
         try:
             if node.target.name() != "scan":
                 raise NoMatch("no rule reads inside its body", node=node)
-            order = order or {n: i for i, n in enumerate(graph.nodes)}
+            order = order or positions(graph)
             fusions.append(_scan_fusion(graph, node, order))
         except NoMatch as err:
             misses.append(_hop_miss(node, err.reason))
@@ -86,7 +84,7 @@ def plan_scan_hops(graph: fx.Graph) -> tuple[list, list[Miss]]:
 
 
 def _hop_miss(node: fx.Node, reason: str) -> Miss:
-    return Miss(RULE, f"a loop kept as one higher-order node, {describe(node, at=False)}: "
+    return Miss(NAME, f"a loop kept as one higher-order node, {describe(node, at=False)}: "
                       f"{reason}; it is left as it is and export_nnef refuses it",
                       node=node.name)
 

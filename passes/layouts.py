@@ -27,12 +27,11 @@ from typing import Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.operands import Operands, scan_operands, _peel_aliases, _peel_casts
-from gdn_fx.passes.program import shape
+from gdn_fx.passes.operands import Operands, scan_operands, _peel_casts
+from gdn_fx.passes.program import ATEN, shape
 from gdn_fx.passes.result import NoMatch
 from gdn_fx.reference import l2norm
 
-ATEN = torch.ops.aten
 ROLES = ("q", "k", "v", "g", "beta")
 # The tensors a loop may walk: the op's five, or beta already folded into a copy of k before
 # the loop (kb = k * beta[..., None], as DeltaNet papers write it), beta then read off kb.
@@ -245,7 +244,7 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
         layout.state_shape[-2:]),))]
     if not layout.key_first:
         state_steps.append((ATEN.transpose.int, (-1, -2)))
-    ops.nodes["state"] = _peel_aliases(state)
+    ops.nodes["state"] = _peel_casts(state, up=False)
     if state_steps:
         ops.adapters["state"] = state_steps
     final_steps = ([(ATEN.transpose.int, (-1, -2))] if not layout.key_first else []) + (

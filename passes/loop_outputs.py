@@ -17,14 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 from torch import fx
 
-from gdn_fx.passes.program import mutates, shape
+from gdn_fx.passes.program import ASSERT_META, ATEN, mutates, shape
 from gdn_fx.passes.result import NoMatch
 
-ATEN = torch.ops.aten
-ASSERT_META = ATEN._assert_tensor_metadata.default
+STACKS = (ATEN.stack.default, ATEN.cat.default)
 
 
 @dataclass
@@ -44,7 +42,7 @@ def gather(outs: list[fx.Node], order: dict) -> Gathered:
         return Gathered(first, first.args[1] % len(shape(first)))
     if first.target is ATEN.unsqueeze.default and len(first.users) == 1:
         first = next(iter(first.users))  # core aten spells stack as cat of unsqueezes
-    if first.target in (ATEN.stack.default, ATEN.cat.default):
+    if first.target in STACKS:
         return _stacked(outs, first)
     if first.target is ATEN.copy_.default:
         return _in_place(outs, order)
@@ -59,9 +57,6 @@ def _only_user(node: fx.Node, step: int) -> fx.Node:
         raise NoMatch(f"the step output {node.name} has {len(node.users)} users, expected one "
                       "write", node=node, step=step)
     return next(iter(node.users))
-
-
-STACKS = (ATEN.stack.default, ATEN.cat.default)
 
 
 def _position(node: fx.Node) -> Optional[int]:
@@ -220,11 +215,11 @@ def _stacked(outs: list[fx.Node], node: fx.Node) -> Gathered:
     rank = len(shape(node))
     axis = (node.args[1] if len(node.args) > 1 else 0) % rank
     if node.target is ATEN.cat.default and items == list(outs):
-        if not _stack_view(node, outs) and all(shape(o)[axis] == 1 for o in outs):
-            for t, out in enumerate(outs):  # values with a size-1 time axis, concatenated
-                _only_user(out, t)
-            return Gathered(node, axis)
-        node, axis = _cat_then_view(node, outs)  # stack decomposed as view(cat(outs))
+        try:
+            node, axis = _cat_then_view(node, outs)  # stack decomposed as view(cat(outs))
+        except NoMatch:
+            if not all(shape(o)[axis] == 1 for o in outs):  # else size-1 values, concatenated
+                raise
     elif node.target is ATEN.cat.default:
         items = [_unsqueezed(item, axis) for item in items]
     if items != list(outs):
@@ -232,14 +227,6 @@ def _stacked(outs: list[fx.Node], node: fx.Node) -> Gathered:
     for t, out in enumerate(outs):
         _only_user(out, t)
     return Gathered(node, axis)
-
-
-def _stack_view(cat: fx.Node, outs: list[fx.Node]) -> bool:
-    try:
-        _cat_then_view(cat, outs)
-    except NoMatch:
-        return False
-    return True
 
 
 def _cat_then_view(cat: fx.Node, outs: list[fx.Node]) -> tuple[fx.Node, int]:

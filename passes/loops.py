@@ -24,13 +24,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-import torch
 from torch import fx
 
-from gdn_fx.passes.program import dtype, mutates, reachable, shape
+from gdn_fx.passes.program import ATEN, dtype, mutates, reachable, shape
 from gdn_fx.passes.result import NoMatch
 
-ATEN = torch.ops.aten
 SPLITS = (ATEN.split.Tensor, ATEN.split_with_sizes.default, ATEN.unbind.int)
 WRITES = (ATEN.copy_.default, ATEN.copy.default)  # buffer writes: copy(buffer slice, value)
 MARGIN = 48  # nodes past the last step's first time read that still belong to the loop
@@ -129,8 +127,6 @@ class Loop:
     length: int
     groups: list  # (source, axis) read position by position, in order of first read
     steps: list  # Step, t = 0..T-1
-    outs: list  # o_0..o_{T-1}
-    final_candidates: list = field(default_factory=list)  # possible S_T when not yet known
 
 
 @dataclass
@@ -282,8 +278,6 @@ def step_candidates(cluster: Cluster, tags: dict, order: dict) -> list[list[fx.N
             chain = _linked(chains, c, t, tags, cluster)
             if chain is not None:
                 taken.setdefault(chain, []).append(c)
-        if not taken and len(chains) == 1 and len(found[t]) == 1:
-            taken[0] = found[t]
         for i, chain in enumerate(chains):
             got = taken.get(i, [])
             if len(got) > 1 and t == cluster.length - 1:  # what follows may gather too
@@ -385,7 +379,7 @@ def cut_steps(cluster: Cluster, tags: dict, outs: list, order: dict) -> Loop:
                         sorted(body, key=order.__getitem__), consts)
         state_out = state_in
     groups = sorted({g for s in steps for g in s.reads}, key=lambda g: order[g[0]])
-    return Loop(length, groups, steps, outs)
+    return Loop(length, groups, steps)
 
 
 def _incoming_state(t: int, earlier: list, consts: list, like: fx.Node, body: set) -> fx.Node:

@@ -16,9 +16,8 @@ from typing import Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.program import dtype, shape
+from gdn_fx.passes.program import ATEN, dtype, shape
 
-ATEN = torch.ops.aten
 L2NORM_EPS = 1e-6
 LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 EXACT = (torch.float32, torch.float64)  # dtypes in which the op computes as the graph did
@@ -60,7 +59,7 @@ def scan_operands(sources: dict, state: fx.Node, head_major: bool,
         _peel_repeats(nodes)
     if "g" not in ops.to_time_major:  # a per-head gate expanded over keys
         nodes["g"] = _scalar_gate(nodes["g"]) or nodes["g"]
-    ops.nodes["state"] = _peel_aliases(state)
+    ops.nodes["state"] = _peel_casts(state, up=False)
     return ops
 
 
@@ -115,21 +114,14 @@ def _cast_source(node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def _peel_casts(node: fx.Node) -> fx.Node:
-    """Skip up-casts to f32 from f16/bf16/f32 (the op casts so itself) and same-dtype copies."""
+def _peel_casts(node: fx.Node, up: bool = True) -> fx.Node:
+    """Skip same-dtype copies and (``up``) up-casts to f32 from f16/bf16/f32 (the op casts so
+    itself)."""
     while (inner := _cast_source(node)) is not None and shape(inner) == shape(node) and (
             dtype(inner) == dtype(node)
-            or dtype(node) == torch.float32 and dtype(inner) in LOW_FLOATS):
+            or up and dtype(node) == torch.float32 and dtype(inner) in LOW_FLOATS):
         node = inner
     return node
-
-
-def _peel_aliases(node: fx.Node) -> fx.Node:
-    while True:
-        inner = _cast_source(node)
-        if inner is None or dtype(inner) != dtype(node) or shape(inner) != shape(node):
-            return node
-        node = inner
 
 
 def _transposed(node: fx.Node) -> Optional[fx.Node]:

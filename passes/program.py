@@ -86,6 +86,11 @@ def copy_meta(source: fx.Node, nodes) -> None:
                 node.meta[key] = source.meta[key]
 
 
+def positions(graph: fx.Graph) -> dict:
+    """node -> its position in ``graph``."""
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
 def reachable(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> set:
     """``starts`` and every node reached from them by ``step`` (a node's next ones)."""
     seen = set(starts)

@@ -12,13 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 from torch import fx
 
 from gdn_fx.errors import InternalError
-from gdn_fx.passes.program import is_pure, reachable
+from gdn_fx.passes.program import ASSERT_META, is_pure, reachable
 
-ASSERT_META = torch.ops.aten._assert_tensor_metadata.default
 
 Emit = Callable[[fx.Graph, Callable[[fx.Node], fx.Node]], dict]
 

@@ -17,12 +17,12 @@ from torch import fx
 
 from gdn_fx.passes.operands import Operands
 from gdn_fx.errors import GdnFxError
-from gdn_fx.passes.program import add_node, copy_meta, dtype, in_mode, shape, val
+from gdn_fx.passes.program import ATEN, add_node, copy_meta, dtype, in_mode, shape, val
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import NoMatch
 
+NAME = "gated_delta_scan"  # the op every GDN rule fuses into: counts and near-misses say so
 SCAN = torch.ops.gdn_fx.gated_delta_scan.default
-ATEN = torch.ops.aten
 
 
 @dataclass
@@ -142,11 +142,8 @@ def _swaps_axes_1_2(node: fx.Node) -> bool:
 
 
 def _time_major(graph: fx.Graph, node: fx.Node, needed: bool, mode) -> fx.Node:
-    return _permute(graph, node, mode) if needed else node
-
-
-def _permute(graph: fx.Graph, node: fx.Node, mode) -> fx.Node:
-    """Swap axes 1 and 2 (head-major <-> time-major) with a core-aten permute."""
-    rank = len(shape(node))
-    return add_node(graph, ATEN.permute.default, (node, [0, 2, 1] + list(range(3, rank))),
-                    mode=mode)
+    """``node`` with axes 1 and 2 swapped (head-major -> time-major) when ``needed``."""
+    if not needed:
+        return node
+    axes = [0, 2, 1] + list(range(3, len(shape(node))))
+    return add_node(graph, ATEN.permute.default, (node, axes), mode=mode)

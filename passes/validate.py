@@ -27,7 +27,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 
 from gdn_fx.ops import fast_scan_kernel
-from gdn_fx.passes.program import mutates
+from gdn_fx.passes.program import graph_module_of, mutates
 from gdn_fx.passes.rebuild import Fusion, rebuild
 from gdn_fx.passes.result import VALIDATION_FAILED, Miss
 
@@ -165,8 +165,6 @@ def compare_programs(original: Any, rewritten: Any, example_inputs: Optional[tup
     ``gdn_fx.collapse(original).program``); they run on the same random inputs and every
     output, and every input and buffer after the run, is compared as ``collapse`` does.
     """
-    from gdn_fx.passes.program import graph_module_of
-
     gm, ep = graph_module_of(original)
     other, _ = graph_module_of(rewritten)
     if len(_placeholders(other)) != len(_placeholders(gm)):
@@ -248,16 +246,13 @@ def _fixed_values(ep, placeholders: list) -> dict:
         return {}
     fixed = {}
     for spec, node in zip(ep.graph_signature.input_specs, placeholders):
-        if spec.kind in (InputKind.PARAMETER, InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            source = ep.state_dict if spec.target in ep.state_dict else ep.constants
-            fixed[node.name] = source[spec.target]
-        elif spec.kind is InputKind.BUFFER:
-            source = ep.state_dict if spec.target in ep.state_dict else ep.constants
-            value = source[spec.target]
-            if not value.dtype.is_floating_point:
-                fixed[node.name] = value
-        elif spec.kind is InputKind.TOKEN:
+        if spec.kind is InputKind.TOKEN:
             fixed[node.name] = torch.tensor([])
+        elif spec.kind in (InputKind.PARAMETER, InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ,
+                           InputKind.BUFFER):
+            value = (ep.state_dict if spec.target in ep.state_dict else ep.constants)[spec.target]
+            if spec.kind is not InputKind.BUFFER or not value.dtype.is_floating_point:
+                fixed[node.name] = value  # floating buffers (caches) are drawn
     return fixed
 
 
