@@ -42,7 +42,7 @@ from torch import fx
 from gdn_fx.passes.layouts import (Layout, batch_heads, group_features, layouts_for,
                                    plan_operands, reference_step)
 from gdn_fx.passes.program import (ASSERT_META, ATEN, base_of, dtype, fake_mode_of, is_mutation,
-                                   is_pure, shape)
+                                   is_pure, is_zeros, shape, view_writes)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
@@ -426,28 +426,8 @@ def _closure(sinks: list, lo: int, hi: int, facts: Facts) -> set:
             continue
         nodes.add(node)
         todo.extend(node.all_input_nodes)
-        for alias in _writes_into(node, hi, order):
-            todo.append(alias)
+        todo.extend(view_writes(node, lambda user: order[user] <= hi))
     return nodes
-
-
-def _writes_into(node: fx.Node, hi: int, order: dict) -> list:
-    """In-place writes (up to position ``hi``) into ``node``'s storage through its views."""
-    found, todo, seen = [], [node], {node}
-    while todo:
-        current = todo.pop()
-        for user in current.users:
-            if user in seen or order[user] > hi or not user.args or user.args[0] is not current:
-                continue
-            schema = getattr(user.target, "_schema", None)
-            aliases = schema is not None and schema.returns and \
-                schema.returns[0].alias_info is not None
-            if is_mutation(user) or aliases:
-                seen.add(user)
-                todo.append(user)
-                if is_mutation(user):
-                    found.append(user)
-    return found
 
 
 # --- walking back to the inputs --------------------------------------------------------------
@@ -474,7 +454,8 @@ def _cuts(core: set, value: fx.Node, final, end: int, facts: Facts, taken: set):
         if any(not is_mutation(u) for u in facts.read_outside(latest, nodes)):
             blocked.add(latest)  # also read outside: it stays an input
             continue
-        absorbed = [latest] + [w for w in _writes_into(latest, end, order) if w not in nodes]
+        absorbed = [latest] + [w for w in view_writes(latest, lambda user: order[user] <= end)
+                               if w not in nodes]
         nodes |= set(absorbed)
         frontier -= set(absorbed)
         frontier |= {a for t in absorbed for a in t.all_input_nodes if a not in nodes}
@@ -527,16 +508,8 @@ def _state_shape(state, final, nodes: set):
         return dims if dims is not None and len(dims) >= 3 else None
     if final is not None:
         return shape(final)
-    zeros = [n for n in nodes if _zeros(n) and len(shape(n) or ()) in (3, 4)]
+    zeros = [n for n in nodes if is_zeros(n) and len(shape(n) or ()) in (3, 4)]
     return shape(zeros[0]) if len(zeros) == 1 else None
-
-
-def _zeros(node: fx.Node) -> bool:
-    """zeros, new_zeros, zeros_like, or full(.., 0) (core aten's spelling of them)."""
-    if node.target in (ATEN.zeros.default, ATEN.new_zeros.default, ATEN.zeros_like.default):
-        return True
-    return node.target in (ATEN.full.default, ATEN.new_full.default) and \
-        len(node.args) > 1 and node.args[-1] == 0
 
 
 # --- evaluation ----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from gdn_fx.passes.program import (ASSERT_META, ATEN, add_node, base_of, dtype, fake_mode_of,
-                                   is_alias, is_mutation, positions, reachable, shape)
+                                   is_mutation, positions, reachable, shape, view_writes)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.evaluator import (TOLERANCE, Sampler, Verdict, copy_constant, evaluable,
@@ -142,7 +142,7 @@ def _state_candidates(out: fx.Node, weight: fx.Node, order: dict, channels: int,
     seen, todo, found = set(), [out], []
     while todo:
         node = todo.pop()
-        for arg in node.all_input_nodes + _writers(node):
+        for arg in node.all_input_nodes + view_writes(base_of(node)):
             if arg in seen or arg is weight:
                 continue
             seen.add(arg)
@@ -156,21 +156,6 @@ def _state_candidates(out: fx.Node, weight: fx.Node, order: dict, channels: int,
                 todo.append(arg)
     found.sort(key=order.__getitem__)
     return found
-
-
-def _writers(node: fx.Node) -> list:
-    """In-place writes into ``node``'s storage (through any view of its base)."""
-    base, found, todo, seen = base_of(node), [], [base_of(node)], set()
-    while todo:
-        current = todo.pop()
-        for user in current.users:
-            if user in seen or not is_alias(user) or user.args[0] is not current:
-                continue
-            seen.add(user)
-            if is_mutation(user):
-                found.append(user)
-            todo.append(user)
-    return found if base is not node or found else []
 
 
 def _bias_chain(node: fx.Node, channels: int) -> Optional[list]:

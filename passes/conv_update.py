@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import fx
@@ -33,15 +33,13 @@ from gdn_fx.passes.conv_patterns import (
     tails,
 )
 from gdn_fx.passes.conv_meaning import CONV_OP, NAME, plan_by_meaning
-from gdn_fx.passes.program import (ATEN, add_node, copy_meta, dtype, fake_mode_of, positions, shape,
-                                   val, writes_into)
+from gdn_fx.passes.program import (ATEN, add_node, copy_meta, dtype, fake_mode_of, is_zeros,
+                                   mutates, positions, shape, val, writes_into)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 
 WIDER = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32,
          torch.float64), torch.float32: (torch.float64,)}
-ZERO_MAKERS = (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
-FILL_MAKERS = {ATEN.full.default: 1, ATEN.full_like.default: 1, ATEN.new_full.default: 2}
 END_SENTINEL = 2 ** 62  # slice ends at or beyond this mean "to the end"
 
 
@@ -99,14 +97,13 @@ def _plan_patterns(graph: fx.Graph) -> tuple[list[Fusion], list[Miss], set]:
     return fusions, misses, missed
 
 
-def find_conv_updates(gm: Union[fx.GraphModule, fx.Graph]) -> list[str]:
-    """Conv updates left in ``gm`` (a GraphModule or Graph) whose output slice freezes S.
+def find_conv_updates(graph: fx.Graph) -> list[str]:
+    """Conv updates left in ``graph`` whose output slice freezes S.
 
     A static export spells the update's ``[..., -S:]`` (and the prefill's ``[..., :K+S]``) with
     the traced S as a literal: run at another length, the graph keeps the wrong window. Fused
     nodes and symbolic slices are fine and are not listed.
     """
-    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     found = []
     for node in conv_nodes(graph):
         if not _is_candidate(node):
@@ -378,8 +375,7 @@ def _hoistable(node, first: fx.Node, order: dict, plan: list) -> None:
     if node.op == "get_attr":  # make_fx reads constants right where they are used
         plan.append(node)
         return
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or node.is_impure() or (schema and schema.is_mutable):
+    if node.op != "call_function" or node.is_impure() or mutates(node):
         raise NoMatch(f"operand {node.name} is computed after the region starts at "
                       f"{first.name} and cannot move", node=node)
     for source in node.all_input_nodes:
@@ -404,21 +400,12 @@ def _zero_state(plan: Plan, order: dict) -> Optional[fx.Node]:
     for tail in plan.tails:
         for user in real_users(tail):
             target = user.args[0] if is_write(user, tail) else None
-            if _is_zeros(target) and dtype(target) == plan.zero_dtype \
+            if is_zeros(target) and dtype(target) == plan.zero_dtype \
                     and shape(target) == shape(tail) and order[target] < order[plan.first] \
                     and not any(writes_into(u, target) and order[u] < order[plan.first]
                                 for u in target.users):
                 return target
     return None
-
-
-def _is_zeros(node) -> bool:
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return False
-    if node.target in ZERO_MAKERS:
-        return True
-    index = FILL_MAKERS.get(node.target)
-    return index is not None and len(node.args) > index and node.args[index] == 0
 
 
 # --- the rewrite ---------------------------------------------------------------------------

@@ -120,6 +120,14 @@ def writes_into(user: fx.Node, node: fx.Node) -> bool:
     return is_mutation(user) and user.args[0] is node
 
 
+def view_writes(node: fx.Node, keep: Callable[[fx.Node], bool] = lambda user: True) -> list:
+    """In-place writes into ``node``'s storage, through its views and the writes before them
+    (only the users ``keep`` allows are followed)."""
+    through = reachable([node], lambda n: [u for u in n.users if u.args and u.args[0] is n
+                                           and keep(u) and (is_alias(u) or is_mutation(u))])
+    return [u for u in through if u is not node and is_mutation(u)]
+
+
 def is_alias(node: fx.Node) -> bool:
     """The op's result aliases its first argument (a view, or an in-place op's self)."""
     schema = getattr(node.target, "_schema", None)
@@ -133,6 +141,19 @@ def base_of(node: fx.Node) -> fx.Node:
     while is_alias(node):
         node = node.args[0]
     return node
+
+
+ZERO_MAKERS = (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
+FILL_MAKERS = {ATEN.full.default: 1, ATEN.full_like.default: 1, ATEN.new_full.default: 2}
+
+
+def is_zeros(node: Any) -> bool:
+    """zeros, zeros_like, new_zeros, or a fill with 0 (core aten's spelling of them)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    index = FILL_MAKERS.get(node.target)
+    return node.target in ZERO_MAKERS or index is not None and len(node.args) > index and \
+        node.args[index] == 0
 
 
 def is_pure(node: fx.Node) -> bool:
