@@ -124,8 +124,9 @@ def find_unrolled(program: Any, rules: Optional[Sequence[Rule]] = None) -> list[
     """What in ``program`` is frozen at the traced sequence length (empty when nothing is).
 
     Unrolled recurrence steps, chunked forms (by the shape of the region the meaning rule
-    would decide: transformers', FLA's, a per-chunk loop, also when it is not the delta rule), conv updates whose output slice is a literal, and loops kept as
-    one higher-order node that no rule fused (``scan``, ``while_loop``: passes/hop.py):
+    would decide: transformers', FLA's, a per-chunk loop, also when it is not the delta
+    rule), conv updates whose output slice is a literal, and loops kept as one higher-order
+    node that no rule fused (``scan``, ``while_loop``: passes/hop.py):
     each rule's ``unrolled`` (``rules``: default ``RULES``).
     """
     gm, _ = graph_module_of(program)

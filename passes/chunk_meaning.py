@@ -47,7 +47,7 @@ from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
 from gdn_fx.passes.evaluator import (TOLERANCE, Float64, Sampler, Verdict, copy_constant,
-                                     evaluable, fitted_scale, one_scale, rel)
+                                     evaluable, exact_scale, fitted_scale, one_scale, rel)
 
 PREFIX = 3  # positions on which every layout is tried before the whole sequence
 END_SCAN = 20000  # nodes after the anchor searched for the region's end
@@ -614,8 +614,8 @@ def _evaluate_pool(cut: Cut, fit: Fit, layouts: list, points: list, prepared: di
                                                       scale=c, prepared=prepared,
                                                       every=every)
         if out_error <= TOLERANCE and state_error <= TOLERANCE:
-            return Verdict(layout.with_scale(scale), out_error, state_error,
-                           region=(cut, fit))
+            return Verdict(layout.with_scale(exact_scale(scale, cut.nodes)), out_error,
+                           state_error, region=(cut, fit))
         if out_error + state_error < best.error:
             best = Verdict(None, out_error, state_error, layout, where, (cut, fit),
                            bool(survivors))

@@ -128,6 +128,19 @@ def fitted_scale(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got * ref).sum().item() / max((ref * ref).sum().item(), 1e-300)
 
 
+def exact_scale(scale: float, nodes) -> float:
+    """The float literal of ``nodes`` (or its reciprocal) that a fitted ``scale`` is within
+    rounding of, else ``scale``: a fitted 0.25000000000000006 is the graph's 0.25, so that
+    exports at other lengths agree on the op's scale bit for bit (generalization needs it)."""
+    for node in sorted(nodes, key=lambda n: n.name):
+        for arg in node.args:
+            if isinstance(arg, float) and arg and math.isfinite(arg):
+                for c in (arg, 1.0 / arg):
+                    if abs(c - scale) <= TOLERANCE * abs(c):
+                        return c
+    return scale
+
+
 def one_scale(scales: list, tolerance: float = TOLERANCE) -> bool:
     """Whether every point gave the same, nonzero scale (a constant, not a function of the
     inputs)."""

@@ -13,8 +13,9 @@ its B.
 To add a layout, this file only: a new field of ``Layout`` (``Layout.same_as`` compares
 every field, so the steps of one loop must agree on it without more code), the layouts it
 allows in ``layouts_for`` (or a pool step_meaning and chunk_meaning try when the others
-fail, as ``qk_l2norm``), what the delta rule does under it in ``reference_step`` (the reference every
-meaning rule scores against), and what its operands need in ``plan_operands`` / ``_adapt``.
+fail, as ``qk_l2norm``), what the delta rule does under it in ``reference_step`` (the
+reference every meaning rule scores against), and what its operands need in
+``plan_operands`` / ``_adapt``.
 """
 
 from __future__ import annotations

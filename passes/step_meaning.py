@@ -22,7 +22,8 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Sampler, Verdict, copy_constant,
-                                     evaluable, fitted_scale, nearest, one_scale, rel)
+                                     evaluable, exact_scale, fitted_scale, nearest, one_scale,
+                                     rel)
 from gdn_fx.passes.layouts import Layout, layouts_for, read_shape, reference_step
 from gdn_fx.passes.loops import time_read
 from gdn_fx.passes.program import shape
@@ -80,7 +81,9 @@ def decide(step, final: Optional[fx.Node], groups: list,
         (torch.rand(dims, generator=gen) * 2 - 1).double() for dims in shapes], "step")
     points = sampler.points(1)
     verdict = _decide_at(points, sampler, candidates, final is not None, expect, search)
-    if verdict.layout is None:
+    if verdict.layout is not None:
+        verdict.layout = verdict.layout.with_scale(exact_scale(verdict.layout.scale, step.body))
+    else:
         verdict.reason = sampler.named(verdict.reason or "under no layout its shapes allow: "
                                        f"{verdict.off_by()}")
     return verdict

@@ -147,3 +147,17 @@ def test_a_near_miss_says_which_check_left_the_region():
     result = gdn_fx.collapse(torch.export.export(Clamped(), args))
     assert result.counts["gated_delta_scan"] == 0
     assert result.misses and all(m.kind == passes.CHECK_FAILED for m in result.misses)
+
+
+def test_a_fitted_scale_becomes_the_regions_literal_it_rounds_to():
+    """A scale fitted by least squares (0.25000000000000006) is the graph's 0.25 or 1 / 4, so
+    traces at other lengths agree on it bit for bit; an infinite fill is never a scale."""
+    from gdn_fx.passes.evaluator import exact_scale
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    masked = graph.call_function(torch.ops.aten.masked_fill.Scalar, (x, x, float("-inf")))
+    graph.call_function(torch.ops.aten.div.Tensor, (masked, 4.0))
+    assert exact_scale(0.25000000000000006, graph.nodes) == 0.25
+    assert exact_scale(0.2500001, graph.nodes) == 0.2500001  # not within rounding: as fitted
+    assert exact_scale(3.9999999999999996, graph.nodes) == 4.0
