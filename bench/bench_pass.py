@@ -100,7 +100,8 @@ def main(argv=None) -> None:
         "wall time of torch.export.export (training IR) of transformers' recurrent and chunk "
         f"rules (B={common.BATCH}, H={common.HEADS}, Dk=Dv={common.WIDTH}) and of "
         "gdn_fx.collapse on that export (translation validation on, the default; and with "
-        "verify=False), one fresh process per round; ratios are medians of per-round ratios."))
+        "verify=False), one fresh one-thread process per round (the Machine line's torch "
+        "threads are this parent's); ratios are medians of per-round ratios."))
     common.emit(common.markdown(columns, [row(runs, against, i)
                                           for i in range(len(runs[0]))]))
     i = max(i for i, r in enumerate(runs[0]) if r["rule"] == "recurrent")
