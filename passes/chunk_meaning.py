@@ -566,9 +566,11 @@ def _causal(cut: Cut, fits: list, sampler: Sampler, point) -> list:
 
 
 def _low_float(cut: Cut) -> str:
+    """Why float64 cannot decide the region (it would not see a rounding to f16/bf16 inside
+    it); empty when it can."""
     low = [n for n in cut.nodes if dtype(n) in LOW_FLOATS]
     if not low:
-        return ""  # float64 cannot see a rounding to f16/bf16 inside the region
+        return ""
     return f"the region computes {low[0].name} in {dtype(low[0])}; by meaning only in f32 or f64"
 
 
@@ -590,11 +592,13 @@ def _evaluate(cut: Cut, fit: Fit, sampler: Sampler, points: list) -> Verdict:
     """The first layout of ``fit`` under which the region is the delta rule; then the same
     with q and k L2-normalized inside the region (the op's qk_l2norm, as the step rule
     tries them); else the nearest of the first."""
-    prepared = {}  # the points sliced by heads, shared by every layout
+    prepared, every = {}, bool(sampler.switches)  # points sliced by heads: every layout's
+    first = _evaluate_pool(cut, fit, fit.layouts, points, prepared, every)
+    if first.layout is not None:
+        return first
     normed = [replace(lay, qk_l2norm=True) for lay in fit.layouts if "kb" not in lay.roles]
-    first = _evaluate_pool(cut, fit, fit.layouts, points, prepared, bool(sampler.switches))
-    if first.layout is None and normed:
-        second = _evaluate_pool(cut, fit, normed, points, prepared, bool(sampler.switches))
+    if normed:
+        second = _evaluate_pool(cut, fit, normed, points, prepared, every)
         if second.layout is not None:
             return second
     first.reason = sampler.named(first.reason)
