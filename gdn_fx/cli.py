@@ -112,9 +112,14 @@ def _parser() -> argparse.ArgumentParser:
                         "earlier releases: a second copy of the weights; by default the one "
                         "graph serves decode, its scans taking one step at S = 1)")
     export.add_argument("--stream", action="store_true",
-                        help="with --model: trace without the weights and write each one from "
-                        "the safetensors files, converted on the way (memory does not grow "
-                        "with the model's f32 size; the tract check is skipped)")
+                        help="with --model (its default where the export allows it): trace "
+                        "without the weights and write each one from the safetensors files, "
+                        "converted on the way (memory does not grow with the model's f32 "
+                        "size); the check then runs on the weights the file stores")
+    export.add_argument("--in-memory", action="store_true",
+                        help="with --model: load the checkpoint with transformers in --dtype "
+                        "and export that (the route --generalize, --decode-graph, --batch and "
+                        "--runtime cuda take)")
     export.add_argument("--batch", type=int, default=None, metavar="B",
                         help="the batched graph instead: B sequences of their own past lengths "
                         "per call (inputs position_ids and past_mask beside input_ids), run by "
@@ -293,10 +298,36 @@ def _dispatch(args) -> int:
               seq_len=args.seq_len or 1, dynamic_seq=args.dynamic_seq, dtype=args.dtype,
               seed=args.seed, weights=args.weights,
               route="generalize" if args.generalize else "reify", runtime=args.runtime,
-              decode_graph=args.decode_graph, stream=args.stream, batch=args.batch)
+              decode_graph=args.decode_graph, stream=_streams(args), batch=args.batch)
     if args.seq_len is None and not args.dynamic_seq:
         return _export_generator(job, check=not args.no_check)
     return _export(job)
+
+
+# Options of the generation-ready export that need the model's weights in memory.
+IN_MEMORY_ONLY = ("generalize", "decode_graph", "batch", "runtime")
+
+
+def _in_memory_for(args) -> list[str]:
+    """The options given that only the in-memory route takes."""
+    return [f"--{flag.replace('_', '-')}" for flag in IN_MEMORY_ONLY
+            if getattr(args, flag) not in (None, False, "cpu")]
+
+
+def _streams(args):
+    """How the export reads --model DIR's weights: streamed with --stream (True); by default
+    for the generation-ready export, where no option needs them in memory, "auto" (streamed
+    where the checkpoint's layout allows it: the in-memory route holds the whole model in f32,
+    12x a bf16 checkpoint at the 0.8B shape, docs/FACTS.md); else in memory (False)."""
+    if args.command != "export" or args.model_dir is None or args.in_memory:
+        return False
+    if args.stream or args.seq_len is not None or args.dynamic_seq:
+        return args.stream
+    needs = _in_memory_for(args)
+    if needs:
+        print(f"export: {args.model_dir} is loaded in memory ({', '.join(needs)} takes the "
+              "in-memory route; without it the weights are streamed)")
+    return "auto" if not needs else False
 
 
 def _export_generator(job, check: bool) -> int:

@@ -37,6 +37,8 @@ def check(args: argparse.Namespace) -> None:
     if getattr(args, "stream", False) and (args.seq_len is not None or args.dynamic_seq):
         raise UsageError("--stream writes the generation-ready export: no --seq-len, "
                          "--dynamic-seq")
+    if args.command == "export":
+        _check_weight_route(args)
     if args.command == "export" and args.batch is not None:
         _check_batched_export(args)
     if args.command == "generate" and args.runtime != "cpu" and args.batch is not None:
@@ -58,6 +60,22 @@ def check(args: argparse.Namespace) -> None:
         for path in (args.a, args.b):
             if not path.exists():
                 raise UsageError(f"diff: {path} does not exist")
+
+
+def _check_weight_route(args: argparse.Namespace) -> None:
+    """--stream and --in-memory name how --model DIR's weights are read: one of them at most,
+    with --model; --stream takes none of the options only the in-memory route takes."""
+    if args.stream and args.in_memory:
+        raise UsageError("--stream and --in-memory exclude each other")
+    for flag in ("stream", "in_memory"):
+        if getattr(args, flag) and args.model_dir is None:
+            raise UsageError(f"--{flag.replace('_', '-')} reads a checkpoint folder: give "
+                             "--model DIR")
+    if args.stream:
+        for flag in ("generalize", "decode_graph"):
+            if getattr(args, flag):
+                raise UsageError(f"--stream writes the one-graph reify export: no "
+                                 f"--{flag.replace('_', '-')} (--in-memory takes it)")
 
 
 def _check_batched_export(args: argparse.Namespace) -> None:

@@ -98,3 +98,8 @@ class ArtifactMismatch(ArtifactError):
 class CheckpointError(GdnFxError, ValueError):
     """A checkpoint folder that transformers could not load (a corrupt config.json, no weights,
     a truncated weights file); the message names the file and what is wrong with it."""
+
+
+class CheckpointLayoutUnknown(CheckpointError):
+    """A checkpoint that holds a parameter under a name or layout the streamed export does not
+    read (transformers renames or merges it when it loads); the in-memory route reads it."""

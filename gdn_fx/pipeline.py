@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -38,7 +38,9 @@ class Job:
     # fixed (S, P), collapsed and generalized: gdn_fx.hf.generalized)
     route: str = "reify"
     runtime: str = "cpu"  # the tract runtime the NNEF is lowered for: cpu or cuda (export_nnef)
-    stream: bool = False  # weights read from model_dir's safetensors as written (hf/stream.py)
+    # weights read from model_dir's safetensors as written (hf/stream.py); "auto": so where
+    # the checkpoint's layout allows it, else loaded in memory (the CLI's default for --model)
+    stream: Union[bool, str] = False
     # generation-ready artifact: also write the S = 1 graph beside it (the pair of earlier
     # releases; by default one graph serves every S: one copy of the weights)
     decode_graph: bool = False
@@ -202,9 +204,15 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
                                      with_stored_weights)
 
     if job.stream:  # the model never in memory: gdn_fx.hf.stream
+        from gdn_fx.errors import CheckpointLayoutUnknown
         from gdn_fx.hf.stream import run_streamed
 
-        return run_streamed(job, say)
+        try:
+            return run_streamed(job, say, check)
+        except CheckpointLayoutUnknown as err:  # raised before any work
+            if job.stream != "auto":
+                raise
+            say(f"[export] the weights are loaded in memory: {err}")
     model, name = build_model(job)
     require_fusions(model, name)
     report = GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P, "

@@ -159,20 +159,68 @@ def test_unknown_checkpoint_layout_is_refused(tmp_path):
         placeholder_model(folder)
 
 
-def test_cli_stream_writes_and_says_the_check_was_skipped(tmp_path, capsys):
+def test_cli_streams_a_checkpoint_by_default_and_checks_it(tmp_path, capsys):
+    """``export --model DIR`` streams (no --stream needed) and checks the written file
+    against transformers on the weights it stores, as ``generate --check --model DIR`` does."""
     from gdn_fx.cli import main
 
     folder = _checkpoint(tmp_path, "qwen3_5")
     out = tmp_path / "cli.nnef.tgz"
-    assert main(["export", "--model", str(folder), "--out", str(out), "--stream",
-                 "--weights", "q4_0"]) == 0
+    assert main(["export", "--model", str(folder), "--out", str(out), "--weights", "q4_0"]) == 0
     text = capsys.readouterr().out
-    assert out.exists() and "skipped (--stream" in text and "OK" in text.splitlines()[-1]
-    # the check it points to: against transformers on the Q4_0 weights the file stores
+    assert "(streamed)" in text and "in memory" not in text
+    assert "vs transformers: every token equal" in text and text.rstrip().endswith("OK")
     assert main(["generate", "--nnef", str(out), "--prompt-ids", "5,9,17,33",
                  "--max-new-tokens", "8", "--check", "--model", str(folder)]) == 0
     text = capsys.readouterr().out
     assert "every token equal" in text and text.rstrip().endswith("OK")
+    # --in-memory: transformers loads the folder; the same archive contents
+    memory = tmp_path / "memory.nnef.tgz"
+    assert main(["export", "--model", str(folder), "--out", str(memory), "--weights", "q4_0",
+                 "--in-memory", "--no-check"]) == 0
+    assert "(streamed)" not in capsys.readouterr().out
+    assert _contents(*_unpacked(out, tmp_path / "a")) == \
+        _contents(*_unpacked(memory, tmp_path / "b"))
+
+
+def _unpacked(archive, into):
+    return into, _files(archive, into)
+
+
+def test_cli_streams_and_checks_a_moe_checkpoint(tmp_path, capsys):
+    """The routed experts become tract_moe_ffn's operands (stored in tract's layout, under
+    names of their own): the check's reference reads those stacks from the checkpoint."""
+    from gdn_fx.cli import main
+
+    folder = _checkpoint(tmp_path, "qwen3_next")
+    out = tmp_path / "moe.nnef.tgz"
+    assert main(["export", "--model", str(folder), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "(streamed)" in text and "tract_moe_ffn" in tract_check.nnef_text(out)
+    assert "vs transformers: every token equal" in text and text.rstrip().endswith("OK")
+
+
+def test_cli_loads_in_memory_what_it_cannot_stream(tmp_path, capsys):
+    """olmo_hybrid's checkpoint names its norms as its original release did (transformers
+    renames attention_layer_norm to input_layernorm when it loads): by default the export says
+    so and loads it in memory, checked; --stream refuses it by name. Options only the
+    in-memory route takes are refused with --stream."""
+    from gdn_fx.cli import main
+
+    folder = tmp_path / "olmo"
+    tiny_model("olmo_hybrid").save_pretrained(folder)
+    out = tmp_path / "x.nnef.tgz"
+    assert main(["export", "--model", str(folder), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "loaded in memory" in text and "input_layernorm" in text
+    assert "every token equal" in text and text.rstrip().endswith("OK")
+    assert main(["export", "--model", str(folder), "--out", str(out), "--stream"]) == 2
+    assert "input_layernorm" in capsys.readouterr().err
+    for argv, status in ((["--stream", "--decode-graph"], 2), (["--stream", "--in-memory"], 2)):
+        assert main(["export", "--model", str(folder), "--out", str(out), *argv]) == status
+        assert "--" in capsys.readouterr().err
+    assert main(["export", "--family", "qwen3_5", "--out", str(out), "--in-memory"]) == 2
+    assert "--model DIR" in capsys.readouterr().err
     assert main(["export", "--model", str(folder), "--out", str(out), "--stream",
                  "--seq-len", "2"]) == 2
 

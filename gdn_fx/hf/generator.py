@@ -356,7 +356,7 @@ def with_stored_weights(model: nn.Module, path: Union[str, Path],
             if tuple(param.shape) != values.shape:
                 continue
             if param.numel() > 1 and not any(param.stride()):  # a placeholder (hf/stream.py)
-                _replace_parameter(twin, param, nn.Parameter(
+                replace_parameter(twin, param, nn.Parameter(
                     torch.from_numpy(values).to(param.dtype), requires_grad=False))
             else:
                 param.copy_(torch.from_numpy(values))
@@ -364,7 +364,7 @@ def with_stored_weights(model: nn.Module, path: Union[str, Path],
     return twin
 
 
-def _replace_parameter(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+def replace_parameter(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
     """``new`` wherever ``model`` holds ``old`` (every module of a tied table)."""
     for module in model.modules():
         for key, param in module._parameters.items():

@@ -1,4 +1,4 @@
-"""Export by streaming from the checkpoint folder (issue 31, ``gdn-fx export --stream``).
+"""Export by streaming from the checkpoint folder (issue 31; ``gdn-fx export --model DIR``).
 
     files = export_checkpoint("ckpt/", "out/m.nnef.tgz", weights="q4_0")  # stream=True
 
@@ -19,8 +19,9 @@ NNEF variable), a parameter the checkpoint holds under a layout it does not know
 MoE blocks become ``tract_moe_ffn`` as in memory: the fusion proves each block by running it
 on random stand-ins for its placeholders (lowering/t2n/moe_ffn.py), and the operator's
 weights are placeholders too, computed from the stored expert stacks when written.
-What it does not do: the tract-vs-transformers check (the model's weights never are in memory;
-``gdn-fx generate --check --model DIR`` runs it on the written file).
+The CLI's check of a streamed export (``run_streamed``) is ``gdn-fx generate --check --model
+DIR``'s: tract generates from the written file, its model is released, then transformers
+generates on the weights the file stores (``stored_reference``), one model in memory at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from gdn_fx.errors import CheckpointError, UsageError
+from gdn_fx.errors import CheckpointError, CheckpointLayoutUnknown, UsageError
 from gdn_fx.lowering.t2n.streamed import Placeholders, streaming
 
 INDEX = "model.safetensors.index.json"
@@ -146,9 +147,10 @@ def placeholder_model(folder: Union[str, Path], dtype: torch.dtype = torch.float
         param = module._parameters[local]
         load = checkpoint.loader(aliases, tuple(param.shape), dtype)
         if load is None:
-            raise CheckpointError(f"--stream: {folder} holds no tensor for parameter "
-                                  f"{aliases[0]} {tuple(param.shape)} under a layout gdn-fx "
-                                  "reads (export without --stream: transformers knows it)")
+            raise CheckpointLayoutUnknown(
+                f"{folder} holds no tensor for parameter {aliases[0]} {tuple(param.shape)} "
+                "under a layout the streamed export reads (--in-memory: transformers "
+                "knows it)")
         value = placeholders.make(aliases[0], param.shape, dtype, load) \
             if _streams(module, local, param, path) else load()
         replaced[key] = nn.Parameter(value, requires_grad=False)
@@ -167,14 +169,20 @@ def stored_reference(folder: Union[str, Path], nnef: Union[str, Path],
     ``gdn-fx generate --check --model DIR`` compares with: ``from_pretrained`` in f32 of a
     4B-shaped bf16 folder alone peaked at 23.1 GiB here (docs/FACTS.md). CheckpointError
     naming a matrix ``nnef`` holds no values for."""
-    from gdn_fx.hf.generator import with_stored_weights
+    from gdn_fx.hf.generator import replace_parameter, with_stored_weights
 
     model, placeholders = placeholder_model(folder, dtype)
     model = with_stored_weights(model, nnef, in_place=True)
-    for name, param in model.named_parameters():
-        if placeholders.source(param) is not None:
+    for name, param in list(model.named_parameters()):
+        source = placeholders.source(param)
+        if source is None:
+            continue
+        if not name.rsplit(".", 1)[0].endswith(".experts"):
             raise CheckpointError(f"{nnef} stores no values for {name} "
                                   f"{tuple(param.shape)}: is it an export of {folder}?")
+        # tract_moe_ffn's operands hold the expert stacks in tract's layout, under names of
+        # their own: the stacks come from the checkpoint (f32: what the file stores)
+        replace_parameter(model, param, nn.Parameter(source.load(), requires_grad=False))
     return model
 
 
@@ -218,23 +226,25 @@ def export_checkpoint(folder: Union[str, Path], path: Union[str, Path], *,
         return export_generator(model, path, say=say, **options)
 
 
-SKIPPED_CHECK = ("skipped (--stream: the weights never are in memory; gdn-fx generate --check "
-                 "--model DIR compares the written file with transformers)")
-
-
-def run_streamed(job, say: Callable[[str], None] = print):
+def run_streamed(job, say: Callable[[str], None] = print, check: bool = True):
     """``gdn_fx.pipeline.run_generator`` for ``job.stream``: the streamed export of
-    ``job.model_dir``, unchecked (says so). Returns a GeneratorReport."""
+    ``job.model_dir``, then (``check``) its short tract generation compared with transformers
+    on the weights the file stores, as ``gdn-fx generate --check --model DIR`` does: tract's
+    model is released before transformers' is built, so the two never share memory; the check
+    is skipped, and said, where transformers' copy would not fit. Returns a GeneratorReport."""
     from gdn_fx import pipeline, tract_check
     from gdn_fx.hf import DecodeStep
     from gdn_fx.hf.generator import export_generator
+    from gdn_fx.hf.nnef import prepare_for_nnef
 
     if job.model_dir is None:
         raise UsageError("--stream reads a checkpoint folder: give --model DIR")
     if job.route != "reify" or getattr(job, "decode_graph", False):
         raise UsageError("--stream writes the one-graph reify export (no --generalize, no "
                          "--decode-graph)")
-    model, placeholders = placeholder_model(job.model_dir, pipeline.DTYPES[job.dtype])
+    dtype = pipeline.DTYPES[job.dtype]
+    model, placeholders = placeholder_model(job.model_dir, dtype)
+    prepare_for_nnef(model)  # the default MoE kernel refuses placeholders' zero strides
     name = f"{model.config.model_type} from {job.model_dir} (streamed)"
     pipeline.require_fusions(model, name)
     report = pipeline.GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P, "
@@ -249,5 +259,53 @@ def run_streamed(job, say: Callable[[str], None] = print):
     report.decisions = {report.files.main: lowered}
     report.counts = {op: sum(1 for n in lowered if re.fullmatch(rf"{op}(_\d+)?", n))
                      for op in report.expected}
-    say(f"[check] tract generate vs transformers: {SKIPPED_CHECK}")
+    if check:
+        too_large = _reference_too_large(model, dtype)
+        del model, placeholders  # q4_0 stand-ins hold codes: gone before tract loads
+        if too_large:
+            say(f"[check] tract generate vs transformers: skipped ({too_large}; gdn-fx "
+                "generate --check --model DIR runs it where it fits)")
+        else:
+            _check_streamed(job, report, dtype, say)
     return report
+
+
+def _reference_too_large(model: nn.Module, dtype: torch.dtype) -> Optional[str]:
+    """Why transformers' reference of ``model`` in ``dtype`` would not fit in the memory this
+    machine has available now (None: it fits, or the available memory is unknown)."""
+    needed = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    available = _available_bytes()
+    if available is None or needed <= 0.8 * available:
+        return None
+    return (f"transformers' reference needs ~{needed / 2**30:.1f} GiB in "
+            f"{str(dtype).removeprefix('torch.')}, {available / 2**30:.1f} GiB are available")
+
+
+def _available_bytes() -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_streamed(job, report, dtype: torch.dtype, say: Callable[[str], None]) -> None:
+    import gc
+
+    from gdn_fx import pipeline, tract_check
+    from gdn_fx.hf.generator import Generator, check_generation
+
+    prompt = pipeline._check_prompts(job.seed, [pipeline.CHECK_PROMPT])[0]
+    report.checked_on = "cpu"
+    with pipeline._timed(report, "generate", say, f"tract (cpu): {pipeline.CHECK_TOKENS} "
+                         "greedy tokens, then transformers' generate on the stored weights"):
+        generator = Generator(report.files.main)
+        result = generator.generate(prompt, pipeline.CHECK_TOKENS)
+        del generator  # tract's copy of the weights goes before transformers' comes
+        gc.collect()
+        tract_check.release_freed_memory()
+        reference = stored_reference(job.model_dir, report.files.main, dtype).eval()
+        report.check = check_generation(reference, result)
+    report.rates = result.rates()
