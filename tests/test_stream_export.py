@@ -129,6 +129,56 @@ def test_placeholders_hold_no_weights_and_experts_are_restacked(tmp_path):
     assert stacks == 2  # both layers' experts, read from the per-expert tensors
 
 
+CONVERTED = ("olmo_hybrid", "lara_mini", "kimi_linear", "bailing_hybrid")
+
+
+@pytest.mark.parametrize("family", CONVERTED)
+def test_checkpoints_transformers_converts_are_read_as_it_reads_them(tmp_path, family):
+    """save_pretrained writes these in their released layout (renamed norms, one conv filter
+    per q / k / v, one matrix per expert, one in_proj for four): the streamed reader applies
+    transformers' conversion mapping forward, and every parameter equals from_pretrained's."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / family
+    tiny_model(family).to(torch.bfloat16).save_pretrained(folder)
+    model, placeholders = placeholder_model(folder)
+    expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    stored = set(Checkpoint(folder).files)
+    converted = 0
+    for name, value in model.state_dict().items():
+        source = placeholders.source(value)
+        real = streamed.resolve(value) if source is None else source.load()
+        assert torch.equal(real, expected[name]), name
+        converted += name not in stored
+    assert converted > 0  # the mapping was needed: a test of it
+
+
+def test_a_converted_checkpoint_streams_the_same_files(tmp_path):
+    folder = tmp_path / "kimi"
+    tiny_model("kimi_linear").to(torch.bfloat16).save_pretrained(folder)
+    _same_files(tmp_path, folder, "f16")
+
+
+def test_an_unknown_conversion_leaves_its_targets_unread(tmp_path):
+    """A converter with an operation the reader does not apply: its parameters are unknown
+    (the export says so), never assembled by a guess."""
+    from gdn_fx.hf import checkpoint_keys
+
+    class Renaming:
+        source_patterns, target_patterns = ["^w$"], ["weight"]
+
+    class Converter:
+        source_patterns, target_patterns = ["a$", "b$"], ["ab"]
+        operations = [type("Interleave", (), {"dim": 0})()]
+
+    Renaming.__name__, Converter.__name__ = "WeightRenaming", "WeightConverter"
+    plain, assembled = checkpoint_keys.parameter_keys(["w", "x.a", "x.b", "y"],
+                                                      [Renaming(), Converter()])
+    assert plain == {"weight": "w", "y": "y"}
+    assert [p[2] for p in assembled["x.ab"].parts] == ["x.a", "x.b"]
+    assert not checkpoint_keys.known(assembled["x.ab"])
+
+
 def test_a_constant_folded_from_a_placeholder_is_refused(tmp_path):
     """The conv filters stay real in a streamed export because the lowering reshapes them
     (torch-to-nnef folds that into a variable of its own): as a placeholder, the folded
@@ -200,12 +250,16 @@ def test_cli_streams_and_checks_a_moe_checkpoint(tmp_path, capsys):
     assert "vs transformers: every token equal" in text and text.rstrip().endswith("OK")
 
 
-def test_cli_loads_in_memory_what_it_cannot_stream(tmp_path, capsys):
+def test_cli_loads_in_memory_what_it_cannot_stream(tmp_path, capsys, monkeypatch):
     """olmo_hybrid's checkpoint names its norms as its original release did (transformers
-    renames attention_layer_norm to input_layernorm when it loads): by default the export says
-    so and loads it in memory, checked; --stream refuses it by name. Options only the
-    in-memory route takes are refused with --stream."""
+    renames attention_layer_norm to input_layernorm when it loads); without the conversion
+    mapping (a transformers that has none: simulated) the streamed reader does not know the
+    name: by default the export says so and loads it in memory, checked; --stream refuses it
+    by name. Options only the in-memory route takes are refused with --stream."""
     from gdn_fx.cli import main
+    from gdn_fx.hf import checkpoint_keys
+
+    monkeypatch.setattr(checkpoint_keys, "conversions", lambda model_type: [])
 
     folder = tmp_path / "olmo"
     tiny_model("olmo_hybrid").save_pretrained(folder)

@@ -107,8 +107,9 @@ def export_program(step: DecodeStep) -> torch.export.ExportedProgram:
     except torch._dynamo.exc.UserError as error:  # the model bounds S or P (sliding windows)
         bounds = [line.strip("- ").strip() for line in str(error).splitlines()
                   if line.strip().startswith("- Not all values")]
+        more = f" (and {len(bounds) - 1} more guards)" if len(bounds) > 1 else ""
         raise UnsupportedModel("the model does not compute for every S >= 1 and P >= 0: "
-                               + "; ".join(bounds or [str(error).splitlines()[0]])) from None
+                               + (bounds or str(error).splitlines())[0] + more) from None
     counts = fused_counts(program)
     if counts != step.expected_fusions:
         raise UnsupportedModel(f"the reified export holds {counts} fused nodes, expected "

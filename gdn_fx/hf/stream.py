@@ -30,23 +30,24 @@ import contextlib
 import json
 import re
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from gdn_fx.errors import CheckpointError, CheckpointLayoutUnknown, UsageError
+from gdn_fx.hf import checkpoint_keys
 from gdn_fx.lowering.t2n.streamed import Placeholders, streaming
 
 INDEX = "model.safetensors.index.json"
-# transformers 5 fuses per-expert Linear weights into stacks; save_pretrained splits them.
-_EXPERTS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)")
 
 
 class Checkpoint:
-    """The safetensors files of a checkpoint folder, read one tensor at a time."""
+    """The safetensors files of a checkpoint folder, read one tensor at a time, under the
+    parameter keys of the model (``mapping``: transformers' conversion mapping of its type,
+    gdn_fx.hf.checkpoint_keys)."""
 
-    def __init__(self, folder: Union[str, Path]) -> None:
+    def __init__(self, folder: Union[str, Path], mapping: Sequence = ()) -> None:
         from safetensors import safe_open
 
         self.folder = Path(folder)
@@ -62,6 +63,7 @@ class Checkpoint:
         if not self.files:
             raise CheckpointError(f"{self.folder} holds no safetensors weights (--stream reads "
                                   "model.safetensors or its shards)")
+        self.plain, self.assembled = checkpoint_keys.parameter_keys(list(self.files), mapping)
 
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -69,31 +71,18 @@ class Checkpoint:
         with safe_open(str(self.files[key]), "pt") as handle:
             return handle.get_tensor(key)
 
-    def loader(self, names: list, shape: tuple, dtype: torch.dtype
+    def loader(self, names: list, dtype: torch.dtype, shapes: dict
                ) -> Optional[Callable[[], torch.Tensor]]:
         """A function reading the parameter known by ``names`` (its aliases, tied weights)
-        in ``dtype``, or None when the checkpoint holds none of them in a known layout."""
+        in ``dtype``, or None when the checkpoint holds none of them in a known layout
+        (``shapes``: every parameter's shape, for the converters that split)."""
         for name in names:
-            if name in self.files:
-                return lambda key=name: self.read(key).to(dtype)
-            fused = _EXPERTS.fullmatch(name)
-            if fused and len(shape) == 3 and self._has_experts(fused["prefix"], shape[0]):
-                return lambda m=fused: self._experts(m["prefix"], m["kind"], shape[0], dtype)
+            if name in self.plain:
+                return lambda key=self.plain[name]: self.read(key).to(dtype)
+            made = self.assembled.get(name)
+            if checkpoint_keys.known(made):
+                return lambda name=name, made=made: made.build(name, self.read, shapes).to(dtype)
         return None
-
-    def _has_experts(self, prefix: str, count: int) -> bool:
-        return all(f"{prefix}.{e}.{kind}.weight" in self.files for e in range(count)
-                   for kind in ("gate_proj", "up_proj", "down_proj"))
-
-    def _experts(self, prefix: str, kind: str, count: int, dtype: torch.dtype) -> torch.Tensor:
-        """transformers' stack of one MoE block's experts: ``gate_up_proj`` [E, 2H, D]
-        (each expert's gate rows, then its up rows), ``down_proj`` [E, D, H]."""
-        def one(e: int) -> torch.Tensor:
-            if kind == "down_proj":
-                return self.read(f"{prefix}.{e}.down_proj.weight")
-            return torch.cat([self.read(f"{prefix}.{e}.gate_proj.weight"),
-                              self.read(f"{prefix}.{e}.up_proj.weight")], dim=0)
-        return torch.stack([one(e) for e in range(count)]).to(dtype)
 
 
 @contextlib.contextmanager
@@ -129,8 +118,8 @@ def placeholder_model(folder: Union[str, Path], dtype: torch.dtype = torch.float
     buffers loaded. Raises CheckpointError for a parameter the checkpoint does not hold."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    checkpoint = Checkpoint(folder)
     config = AutoConfig.from_pretrained(folder)
+    checkpoint = Checkpoint(folder, checkpoint_keys.conversions(config.model_type))
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # the meta copies above broke the ties made at construction
@@ -141,11 +130,12 @@ def placeholder_model(folder: Union[str, Path], dtype: torch.dtype = torch.float
                 full = f"{path}.{local}" if path else local
                 names.setdefault(id(param), []).append(full)
                 owners.setdefault(id(param), []).append((module, local, path))
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
     replaced = {}
     for key, aliases in names.items():
         module, local, path = owners[key][0]
         param = module._parameters[local]
-        load = checkpoint.loader(aliases, tuple(param.shape), dtype)
+        load = checkpoint.loader(aliases, dtype, shapes)
         if load is None:
             raise CheckpointLayoutUnknown(
                 f"{folder} holds no tensor for parameter {aliases[0]} {tuple(param.shape)} "
