@@ -151,9 +151,42 @@ def streamed_writes(sources: dict[str, Source], inference_target) -> Iterator[No
 
     writer.Writer._write_tensors_from_operators = write
     try:
-        yield
+        with _expanded_clones():
+            yield
     finally:
         writer.Writer._write_tensors_from_operators = original
+
+
+@contextlib.contextmanager
+def _expanded_clones() -> Iterator[None]:
+    """torch-to-nnef 0.24.12's ``NamedTensor`` (each parameter while it builds its graph)
+    clones its operands at every torch function it sees while inferring shapes; the clone of
+    a placeholder (a NaN scalar expanded) is a full-size tensor, so the streamed 0.8B export
+    held ~2 GiB of NaN copies before writing a weight (its peak: 4.1 GiB in f32). Within, the
+    clone of a tensor whose every stride is zero is the same scalar, cloned, expanded: the
+    same values and shape, a storage of its own (as a clone has), no memory; clones a traced
+    forward records stay as they were."""
+    try:
+        from torch_to_nnef.tensor.named import NamedTensor
+    except ImportError:  # another torch-to-nnef: nothing to change
+        yield
+        return
+    original = NamedTensor.clone
+
+    def clone(self, *args, **kwargs):
+        # a traced forward keeps its clones: the trace must record the parameter's use
+        if not torch.jit.is_tracing() and self.dim() and self.numel() > 1 \
+                and not any(self.stride()):
+            plain = self.as_subclass(torch.Tensor)
+            scalar = plain.as_strided((), (), plain.storage_offset()).clone()
+            return self.__class__(scalar.expand(self.shape), nnef_name=self.nnef_name)
+        return original(self, *args, **kwargs)
+
+    NamedTensor.clone = clone
+    try:
+        yield
+    finally:
+        NamedTensor.clone = original
 
 
 class _Only:
