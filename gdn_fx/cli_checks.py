@@ -37,8 +37,6 @@ def check(args: argparse.Namespace) -> None:
     if getattr(args, "stream", False) and (args.seq_len is not None or args.dynamic_seq):
         raise UsageError("--stream writes the generation-ready export: no --seq-len, "
                          "--dynamic-seq")
-    if args.command == "export":
-        _check_weight_route(args)
     if args.command == "export" and args.batch is not None:
         _check_batched_export(args)
     if args.command == "generate" and args.runtime != "cpu" and args.batch is not None:
@@ -50,6 +48,8 @@ def check(args: argparse.Namespace) -> None:
                 raise UsageError(f"--runtime {args.runtime}: --{flag} lowers for the CPU "
                                  "runtime only; the reify route (without it) lowers for "
                                  f"{args.runtime}")
+    if args.command == "export":
+        _check_weight_route(args)
     if getattr(args, "family", None) is not None:
         check_family(args.family)
     if getattr(args, "config", None) is not None:
