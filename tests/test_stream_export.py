@@ -179,6 +179,32 @@ def test_an_unknown_conversion_leaves_its_targets_unread(tmp_path):
     assert not checkpoint_keys.known(assembled["x.ab"])
 
 
+def test_a_conversion_with_missing_or_misfit_parts_is_refused():
+    """Experts 0 and 2 without 1, an in_proj that is not the sum of its four parts: refused by
+    name, never stacked or cut as it comes."""
+    from gdn_fx.hf import checkpoint_keys
+
+    def op(kind):
+        return type(kind, (), {"dim": 0})()
+
+    merge = type("WeightConverter", (), {"source_patterns": ["e.*.w$"],
+                                         "target_patterns": ["stack"],
+                                         "operations": [op("MergeModulelist")]})()
+    _, assembled = checkpoint_keys.parameter_keys(["m.e.0.w", "m.e.2.w"], [merge])
+    with pytest.raises(CheckpointError, match="m.e.2.w.*not indices 0 .. 1"):
+        assembled["m.stack"].build("m.stack", lambda key: torch.zeros(2), {})
+    split = type("WeightConverter", (), {"source_patterns": ["in_proj"],
+                                         "target_patterns": ["in_a", "in_b"],
+                                         "operations": [op("Split")]})()
+    _, assembled = checkpoint_keys.parameter_keys(["x.in_proj.weight"], [split])
+    shapes = {"x.in_a.weight": (3, 4), "x.in_b.weight": (2, 4)}
+    with pytest.raises(CheckpointError, match="does not split"):
+        assembled["x.in_a.weight"].build("x.in_a.weight", lambda key: torch.zeros(6, 4), shapes)
+    whole = torch.arange(20.0).reshape(5, 4)
+    got = assembled["x.in_b.weight"].build("x.in_b.weight", lambda key: whole, shapes)
+    assert torch.equal(got, whole[3:])
+
+
 def test_a_constant_folded_from_a_placeholder_is_refused(tmp_path):
     """The conv filters stay real in a streamed export because the lowering reshapes them
     (torch-to-nnef folds that into a variable of its own): as a placeholder, the folded

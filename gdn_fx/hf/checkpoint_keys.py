@@ -25,6 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
+from gdn_fx.errors import CheckpointError
+
 KNOWN_OPERATIONS = {"MergeModulelist", "Concatenate", "Split"}
 _INDEX = re.compile(r"\.(\d+)\.")
 
@@ -57,11 +59,20 @@ class Assembly:
         if "Split" in ops:
             (_, _, key), = self.parts
             sizes = [shapes[target][ops["Split"]] for target in self.targets]
-            chunks = torch.split(read(key), sizes, dim=ops["Split"])
+            whole = read(key)
+            if whole.dim() <= ops["Split"] or sum(sizes) != whole.shape[ops["Split"]]:
+                raise CheckpointError(f"{key} {tuple(whole.shape)} does not split into "
+                                      f"{', '.join(self.targets)} of {sizes} along axis "
+                                      f"{ops['Split']}")
+            chunks = torch.split(whole, sizes, dim=ops["Split"])
             return chunks[self.targets.index(name)].contiguous()
         groups = []
         for pattern in sorted({p for p, _, _ in self.parts}):
             parts = sorted((i, k) for p, i, k in self.parts if p == pattern)
+            if "MergeModulelist" in ops and [i for i, _ in parts] != list(range(len(parts))):
+                raise CheckpointError(f"the checkpoint holds {name}'s parts "
+                                      f"{[k for _, k in parts]}: not indices 0 .. "
+                                      f"{len(parts) - 1} each once")
             tensors = [read(key) for _, key in parts]
             if "MergeModulelist" in ops:
                 tensors = [torch.stack(tensors, dim=ops["MergeModulelist"])]
