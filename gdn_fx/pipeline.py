@@ -10,6 +10,8 @@ relative error of every tract output against the eager model.
 from __future__ import annotations
 
 import json
+import contextlib
+import gc
 import re
 import time
 from dataclasses import dataclass, field
@@ -194,28 +196,57 @@ class GeneratorReport:
 CHECK_PROMPT, CHECK_TOKENS = 12, 16  # the export's own check: a short greedy generation
 
 
+@dataclass
+class ModelSource:
+    """Where the generation-ready export's model comes from: ``exporting()`` is the context the
+    export runs in; ``reference(files)`` is the model the check compares with, built once
+    tract's copy of the weights is gone; ``too_large`` why that reference would not fit."""
+
+    model: torch.nn.Module
+    name: str
+    exporting: Callable = contextlib.nullcontext
+    reference: Optional[Callable] = None
+    too_large: Optional[str] = None
+
+
+def _in_memory(job: Job) -> ModelSource:
+    from gdn_fx.hf.generator import with_stored_weights
+
+    model, name = build_model(job)
+    # compressed weights: against transformers on the weights the NNEF stores
+    return ModelSource(model, name, reference=lambda files: model if job.weights == "f32"
+                       else with_stored_weights(model, files.main))
+
+
+def _model_source(job: Job, say: Callable[[str], None]) -> ModelSource:
+    """The streamed model of ``job.model_dir`` (gdn_fx.hf.stream: the weights never in
+    memory) where ``job.stream`` asks for it, else the model in memory; "auto" falls back to
+    memory, said, where the checkpoint's layout is not one the streamed reader knows."""
+    if job.stream:
+        from gdn_fx.errors import CheckpointLayoutUnknown
+        from gdn_fx.hf.stream import streamed_source
+
+        try:
+            return streamed_source(job)
+        except CheckpointLayoutUnknown as err:  # raised before any work
+            if job.stream != "auto":
+                raise
+            say(f"[export] the weights are loaded in memory: {err}")
+    return _in_memory(job)
+
+
 def run_generator(job: Job, say: Callable[[str], None] = print,
                   check: bool = True) -> GeneratorReport:
     """Write the generation-ready artifact (gdn_fx.hf.generator) and, with ``check``,
     generate with it in tract and compare every token and logit with transformers."""
     from gdn_fx import tract_check
     from gdn_fx.hf import DecodeStep
-    from gdn_fx.hf.generator import (Generator, check_generation, export_generator,
-                                     with_stored_weights)
+    from gdn_fx.hf.generator import Generator, check_generation, export_generator
 
-    if job.stream:  # the model never in memory: gdn_fx.hf.stream
-        from gdn_fx.errors import CheckpointLayoutUnknown
-        from gdn_fx.hf.stream import run_streamed
-
-        try:
-            return run_streamed(job, say, check)
-        except CheckpointLayoutUnknown as err:  # raised before any work
-            if job.stream != "auto":
-                raise
-            say(f"[export] the weights are loaded in memory: {err}")
-    model, name = build_model(job)
-    require_fusions(model, name)
-    report = GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P, "
+    source = _model_source(job, say)
+    model = source.model
+    require_fusions(model, source.name)
+    report = GeneratorReport(model=f"{source.name}, {job.dtype}, symbolic S and P, "
                                    f"weights {job.weights}")
     job.out.parent.mkdir(parents=True, exist_ok=True)
     if job.route == "generalize":
@@ -226,7 +257,8 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
             files = export_generalized(model, job.out, say=say, weights=job.weights,
                                        decode=job.decode_graph)
     else:
-        with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"):
+        with _timed(report, "export", say, "reify, torch.export (symbolic S, P), NNEF"), \
+                source.exporting():
             files = export_generator(model, job.out, say=say, weights=job.weights,
                                      decode=job.decode_graph, runtime=job.runtime,
                                      batch=job.batch)
@@ -239,17 +271,22 @@ def run_generator(job: Job, say: Callable[[str], None] = print,
                      for op in report.expected}
     if not check:
         return report
-    # compressed weights: against transformers on the weights the NNEF stores
-    reference = model if job.weights == "f32" else with_stored_weights(model, files.main)
+    if source.too_large:
+        say(f"[check] tract generate vs transformers: skipped ({source.too_large}; gdn-fx "
+            "generate --check --model DIR runs it where it fits)")
+        return report
     if job.batch is not None:
-        return _check_batched(report, job, reference, say)
+        return _check_batched(report, job, source.reference(files), say)
     prompt = _check_prompts(job.seed, [CHECK_PROMPT])[0]
     runtime, report.checked_on = _check_runtime(job.runtime)
     with _timed(report, "generate", say, f"tract ({runtime}): {CHECK_TOKENS} greedy "
                 "tokens, compared with transformers' generate"):
         generator = Generator(files.main, files.decode, runtime=runtime)
         result = generator.generate(prompt, CHECK_TOKENS)
-        report.check = check_generation(reference, result)
+        del generator  # tract's copy of the weights goes before a streamed reference comes
+        gc.collect()
+        tract_check.release_freed_memory()
+        report.check = check_generation(source.reference(files), result)
     report.rates = result.rates()
     return report
 

@@ -19,7 +19,7 @@ NNEF variable), a parameter the checkpoint holds under a layout it does not know
 MoE blocks become ``tract_moe_ffn`` as in memory: the fusion proves each block by running it
 on random stand-ins for its placeholders (lowering/t2n/moe_ffn.py), and the operator's
 weights are placeholders too, computed from the stored expert stacks when written.
-The CLI's check of a streamed export (``run_streamed``) is ``gdn-fx generate --check --model
+The CLI's check of a streamed export (``streamed_source``) is ``gdn-fx generate --check --model
 DIR``'s: tract generates from the written file, its model is released, then transformers
 generates on the weights the file stores (``stored_reference``), one model in memory at a time.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -216,15 +215,13 @@ def export_checkpoint(folder: Union[str, Path], path: Union[str, Path], *,
         return export_generator(model, path, say=say, **options)
 
 
-def run_streamed(job, say: Callable[[str], None] = print, check: bool = True):
-    """``gdn_fx.pipeline.run_generator`` for ``job.stream``: the streamed export of
-    ``job.model_dir``, then (``check``) its short tract generation compared with transformers
-    on the weights the file stores, as ``gdn-fx generate --check --model DIR`` does: tract's
-    model is released before transformers' is built, so the two never share memory; the check
-    is skipped, and said, where transformers' copy would not fit. Returns a GeneratorReport."""
-    from gdn_fx import pipeline, tract_check
-    from gdn_fx.hf import DecodeStep
-    from gdn_fx.hf.generator import export_generator
+def streamed_source(job):
+    """The streamed model of ``job.model_dir`` for ``gdn_fx.pipeline.run_generator``: matrices
+    as placeholders, written from the checkpoint inside ``exporting()``; the check's reference
+    is ``stored_reference`` (what ``gdn-fx generate --check --model DIR`` compares with),
+    skipped where it would not fit. CheckpointLayoutUnknown before any work for a parameter
+    the reader does not know."""
+    from gdn_fx import pipeline
     from gdn_fx.hf.nnef import prepare_for_nnef
 
     if job.model_dir is None:
@@ -235,29 +232,11 @@ def run_streamed(job, say: Callable[[str], None] = print, check: bool = True):
     dtype = pipeline.DTYPES[job.dtype]
     model, placeholders = placeholder_model(job.model_dir, dtype)
     prepare_for_nnef(model)  # the default MoE kernel refuses placeholders' zero strides
-    name = f"{model.config.model_type} from {job.model_dir} (streamed)"
-    pipeline.require_fusions(model, name)
-    report = pipeline.GeneratorReport(model=f"{name}, {job.dtype}, symbolic S and P, "
-                                            f"weights {job.weights}")
-    job.out.parent.mkdir(parents=True, exist_ok=True)
-    with pipeline._timed(report, "export", say, "placeholders, reify, torch.export "
-                         "(symbolic S, P), NNEF with each weight read from the checkpoint"), \
-            streaming(placeholders):
-        report.files = export_generator(model, job.out, say=say, weights=job.weights)
-    report.expected = DecodeStep(model).expected_fusions
-    lowered = tract_check.read_decisions(report.files.main)
-    report.decisions = {report.files.main: lowered}
-    report.counts = {op: sum(1 for n in lowered if re.fullmatch(rf"{op}(_\d+)?", n))
-                     for op in report.expected}
-    if check:
-        too_large = _reference_too_large(model, dtype)
-        del model, placeholders  # q4_0 stand-ins hold codes: gone before tract loads
-        if too_large:
-            say(f"[check] tract generate vs transformers: skipped ({too_large}; gdn-fx "
-                "generate --check --model DIR runs it where it fits)")
-        else:
-            _check_streamed(job, report, dtype, say)
-    return report
+    return pipeline.ModelSource(
+        model, f"{model.config.model_type} from {job.model_dir} (streamed)",
+        exporting=lambda: streaming(placeholders),
+        reference=lambda files: stored_reference(job.model_dir, files.main, dtype).eval(),
+        too_large=_reference_too_large(model, dtype))
 
 
 def _reference_too_large(model: nn.Module, dtype: torch.dtype) -> Optional[str]:
@@ -279,23 +258,3 @@ def _available_bytes() -> Optional[int]:
     except OSError:
         pass
     return None
-
-
-def _check_streamed(job, report, dtype: torch.dtype, say: Callable[[str], None]) -> None:
-    import gc
-
-    from gdn_fx import pipeline, tract_check
-    from gdn_fx.hf.generator import Generator, check_generation
-
-    prompt = pipeline._check_prompts(job.seed, [pipeline.CHECK_PROMPT])[0]
-    report.checked_on = "cpu"
-    with pipeline._timed(report, "generate", say, f"tract (cpu): {pipeline.CHECK_TOKENS} "
-                         "greedy tokens, then transformers' generate on the stored weights"):
-        generator = Generator(report.files.main)
-        result = generator.generate(prompt, pipeline.CHECK_TOKENS)
-        del generator  # tract's copy of the weights goes before transformers' comes
-        gc.collect()
-        tract_check.release_freed_memory()
-        reference = stored_reference(job.model_dir, report.files.main, dtype).eval()
-        report.check = check_generation(reference, result)
-    report.rates = result.rates()
