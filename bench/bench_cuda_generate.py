@@ -41,6 +41,9 @@ PAST = PREFILL = 512
 DECODE_STEPS, PREFILL_RUNS = 24, 3
 BLOCK = 8191  # values repeated in a large weight: 16 KiB of f16, inside deflate's 32 KiB window
 BIG = "qwen35_08b_f16.nnef.tgz"
+# the 0.8B artifacts: the table's choices, and the conv update forced to tract's conv op
+BIGS = {"": (BIG, None),
+        "conv depthwise": ("qwen35_08b_f16.dw.nnef.tgz", {"causal_conv1d_update": "depthwise"})}
 RUNTIME = "cuda"  # --runtime cpu: a dry run of --run on a machine without a GPU
 
 
@@ -78,6 +81,9 @@ def prepare_tiny(folder: Path) -> dict:
         export_generator(tiny_model(family, dtype=torch.float16),
                          folder / f"{family}.split.nnef.tgz", runtime="cuda",
                          choose={"*": "split"})
+        export_generator(tiny_model(family, dtype=torch.float16),
+                         folder / f"{family}.dw.nnef.tgz", runtime="cuda",
+                         choose=BIGS["conv depthwise"][1])
         np.savez(folder / f"{family}.ref.npz", **hf_reference(model, prompt_ids(), NEW_TOKENS))
         entries[family] = files.main.name
     return entries
@@ -95,7 +101,7 @@ def patterned(model) -> None:
                 param.copy_(block.repeat(reps)[: param.numel()].view_as(param))
 
 
-def prepare_big(folder: Path) -> str:
+def prepare_big(folder: Path) -> list:
     from common import SHAPE
 
     from gdn_fx.hf import tiny_model
@@ -103,9 +109,10 @@ def prepare_big(folder: Path) -> str:
 
     model = tiny_model("qwen3_5", dtype=torch.float16, **SHAPE)
     patterned(model)
-    export_generator(model, folder / BIG, runtime="cuda", say=print)
-    recompress(folder / BIG)
-    return BIG
+    for name, choose in BIGS.values():
+        export_generator(model, folder / name, runtime="cuda", choose=choose, say=print)
+        recompress(folder / name)
+    return [name for name, _ in BIGS.values()]
 
 
 def recompress(path: Path) -> None:
@@ -166,7 +173,7 @@ def run_tiny(folder: Path, out: Path) -> list:
     from gdn_fx.hf.generator import LOGITS_BOUND, Generator
 
     rows = []
-    for family, variant in [(f, v) for f in FAMILIES for v in ("", ".kv", ".split")]:
+    for family, variant in [(f, v) for f in FAMILIES for v in ("", ".kv", ".split", ".dw")]:
         ref = np.load(folder / f"{family}.ref.npz")
         path = folder / f"{family}{variant.replace('.kv', '')}.nnef.tgz"
         if not path.exists():
@@ -274,9 +281,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def table(tract_times: dict, torch_times: dict) -> str:
+def table(tract_times: dict, torch_times: dict, label: str = "") -> str:
     kv = ", attention caches in the State" if tract_times.get("kv_in_state") else ""
     kv += f" ({tract_times['transform']})" if tract_times.get("transform") else ""
+    kv += f", {label}" if label else ""
     rows = [(f"tract CUDA, gdn-fx generator artifact (f16){kv}", tract_times),
             ("torch eager, transformers (f16)", torch_times)]
     lines = [f"| engine (Qwen3.5-0.8B shape, H200) | decode ms/token at P = {PAST} | "
@@ -300,7 +308,9 @@ def guarded(fn, *args) -> dict:
         return {"error": f"{type(error).__name__}: {text[:800]}"}
 
 
-def run(folder: Path, out: Path, parts: set) -> None:
+def run(folder: Path, out: Path, parts: set, baselines: tuple = ()) -> None:
+    """The parts asked for, on the artifacts of ``folder``; ``baselines``: more 0.8B
+    artifacts (another revision's) timed in the same process after this revision's."""
     out.mkdir(parents=True, exist_ok=True)
     found = dict(gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
     if "tiny" in parts:
@@ -310,13 +320,22 @@ def run(folder: Path, out: Path, parts: set) -> None:
         (out / "results.json").write_text(json.dumps(found, indent=1, default=str))
         found["torch"] = guarded(time_torch)
         print(table(found["tract"], found["torch"]), flush=True)
+        others = [(label, folder / name) for label, (name, _) in BIGS.items() if label] + \
+            [(f"baseline {path}", path) for path in baselines]
+        for label, path in others:  # the same process and GPU: side by side with the above
+            if path.exists():
+                found[label] = guarded(time_tract, path)
+                print(table(found[label], found["torch"], label), flush=True)
+                (out / "results.json").write_text(json.dumps(found, indent=1, default=str))
     if "kv" in parts and (folder / BIG).exists():
         found["kv_on_device"] = guarded(time_tract, folder / BIG, True)
         print(table(found["kv_on_device"], found.get("torch", {})), flush=True)
         found["detect_all"] = guarded(time_tract, folder / BIG, True, "transformers_detect_all")
         print(table(found["detect_all"], found.get("torch", {})), flush=True)
     (out / "results.json").write_text(json.dumps(found, indent=1, default=str))
-    for key in ("tract", "kv_on_device", "detect_all"):
+    timed = ["tract", "kv_on_device", "detect_all", *[k for k in found if k.startswith(
+        ("conv", "baseline"))]]
+    for key in timed:
         for phase in ("decode_profile", "prefill_profile"):
             profile = found.get(key, {}).get(phase)
             if profile:
@@ -329,7 +348,7 @@ def run(folder: Path, out: Path, parts: set) -> None:
                 print(f"{key} {phase}: gpu {profile['gpu'] * 1e3:.2f} ms, transfer "
                       f"{profile['transfer'] * 1e3:.2f} ms, cpu {profile['cpu'] * 1e3:.2f} ms; "
                       f"cpu ops: {ops}", flush=True)
-    for key in ("tract", "kv_on_device", "detect_all"):
+    for key in timed:
         if "kernels" in found.get(key, {}):
             print(f"{key} GPU work per call (CUPTI):", found[key]["kernels"], flush=True)
 
@@ -340,6 +359,8 @@ def main() -> None:
     parser.add_argument("--tiny-only", action="store_true", help="with --prepare: no 0.8B")
     parser.add_argument("--run", type=Path, help="run the artifacts of this folder (GPU)")
     parser.add_argument("--out", type=Path, default=Path("out/cuda_generate"))
+    parser.add_argument("--baseline", type=Path, nargs="*", default=[],
+                        help="with --run: 0.8B artifacts of another revision, timed after")
     parser.add_argument("--runtime", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--parts", nargs="+", default=["tiny", "big", "kv"],
                         choices=["tiny", "big", "kv"])
@@ -353,7 +374,7 @@ def main() -> None:
     if args.run:
         global RUNTIME
         RUNTIME = args.runtime
-        run(args.run, args.out, set(args.parts))
+        run(args.run, args.out, set(args.parts), tuple(args.baseline))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch.fx as fx
 from gdn_fx.errors import ExportRefused
 from gdn_fx.lowering.facts import static_dim
 from gdn_fx.lowering.t2n.moe import grouped_mm_as_plain_ops
+from gdn_fx.lowering.t2n.noop_scatters import noop_scatters
 
 aten = torch.ops.aten
 Fix = Callable[[fx.GraphModule], int]
@@ -509,6 +510,7 @@ FIXES: tuple[Fix, ...] = (
     refuse_boolean_mask_indexing, reshaped_depthwise_filters, empty_reshapes_as_constants,
     typed_factories,
     positive_scatter_dims, float_attention_masks,
+    _recompiles(noop_scatters),  # t2n/noop_scatters.py: before the strided ones are spelled out
     unit_step_slice_scatters, respell, sorted_topk, scatter_values_as_tensors, precise_sigmoids,
     explicit_slice_ends, static_query_attention_as_matmuls, tied_linears_as_matmuls,
     grouped_mm_as_plain_ops,  # t2n/moe.py: transformers' default MoE kernel
