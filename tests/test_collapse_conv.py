@@ -21,7 +21,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn as hf_
 from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update as hf_update
 
 from gdn_fx import passes
-from gdn_fx.passes.conv_update import NAME, find_conv_updates
+from gdn_fx.passes.conv_meaning import NAME, find_conv_updates
 from gdn_fx.passes.program import graph_module_of
 
 FUSED = torch.ops.gdn_fx.causal_conv1d_update.default
