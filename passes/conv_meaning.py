@@ -414,10 +414,12 @@ def decide(region: Region) -> Verdict:
         return Verdict(reason=miss.reason, region=region)
     except Exception as error:  # noqa: BLE001 (a region that does not run is no update)
         return Verdict(reason=f"the region does not run on its own: {error}", region=region)
-    best = nearest(_score(region, layout, points) for layout in _layouts(region))
+    verdicts = [_score(region, layout, points) for layout in _layouts(region)]
+    best = nearest(verdicts)
     if best.region is None:
         return Verdict(reason="no layout of x, state and output fits their shapes")
     if best.layout is None:
+        best = min(verdicts, key=_rank)
         best.reason = sampler.named(best.reason)
         return best
     problem = _native(region, best.layout, module) or _lengths(region, best.layout, module)
@@ -456,8 +458,8 @@ def _score(region: Region, layout: Layout, draws) -> Verdict:
                               "but writes no new state")
     if worst_out <= TOLERANCE and worst_state <= TOLERANCE:
         return Verdict(replace(layout, exits=roles), worst_out, worst_state, region=region)
-    return Verdict(None, worst_out, worst_state, layout, region=region,
-                   reason=_explain(region, layout, worst_out, worst_state, detail))
+    reason, slip = _explain(region, layout, worst_out, worst_state, detail)
+    return Verdict(None, worst_out, worst_state, layout, reason, region, partial=slip)
 
 
 def _native(region: Region, layout: Layout, module: fx.GraphModule) -> str:
@@ -507,18 +509,34 @@ def _exit_role(value, want_out, ref_new, layout):
     return None
 
 
-def _explain(region, layout, worst_out, worst_state, detail) -> str:
-    """What is off, with the common slips named."""
-    parts = []
+def _shifted(region: Region, layout: Layout, x, s, w, b, by: int):
+    """The update's output, channel-first, with every window ``by`` samples later (zeros
+    past either end of cat(state, x))."""
+    first = _to_first(s, layout.state)
+    full = torch.cat([torch.zeros_like(first) if layout.zero else first,
+                      _to_first(x, layout.x)], -1)
+    zeros = full.new_zeros(*full.shape[:2], abs(by))
+    full = torch.cat([full[..., by:], zeros] if by > 0 else [zeros, full[..., :by]], -1)
+    plain = replace(layout, x="bct", state="cw", zero=False)
+    return _fused(region, plain, full[..., region.width:], full[..., :region.width], w, b)[0]
+
+
+def _explain(region, layout, worst_out, worst_state, detail) -> tuple[str, bool]:
+    """What is off, and whether a common slip explains it (named in the words)."""
+    parts, slipped = [], False
     if worst_out > TOLERANCE and "out" in detail:
         out, ref_out, x, s, w, b = detail["out"]
         got = _to_first(out, layout.out)
         slips = {"its taps are in reverse order":
                  _fused(region, layout, x, s, w.reshape(w.shape[0], -1).flip(-1), b)[0]}
+        slips.update({f"its windows are {abs(d)} sample{'s' * (abs(d) > 1)} "
+                      + ("late: it reads samples after t" if d > 0 else "early"):
+                      _shifted(region, layout, x, s, w, b, d) for d in (1, -1, 2, -2)})
         if b is not None and layout.activation == "silu":
             slips["the bias is added after the activation, not before"] = _fused(
                 region, replace(layout, bias=False), x, s, w, None)[0] + b[:, None]
         named = [why for why, value in slips.items() if _rel(got, value) <= 1e-6]
+        slipped = slipped or bool(named)
         parts.append(f"the output differs from the causal conv of cat(state, x) by "
                      f"{worst_out:.3g} relative" + (f" ({named[0]})" if named else ""))
     if worst_state > TOLERANCE and "state" in detail:
@@ -533,9 +551,10 @@ def _explain(region, layout, worst_out, worst_state, detail) -> str:
             full[..., full.shape[-1] - width:])
         named = [why for why, v in slips.items() if v.shape == got.shape
                  and _rel(got, v) <= 1e-6]
+        slipped = slipped or bool(named)
         parts.append(f"the new state differs from the last {width} samples of cat(state, x) "
                      f"by {worst_state:.3g} relative" + (f" ({named[0]})" if named else ""))
-    return "; ".join(parts) or "the region does not compute a conv update"
+    return "; ".join(parts) or "the region does not compute a conv update", slipped
 
 
 # --- the rule ------------------------------------------------------------------------------
@@ -565,7 +584,17 @@ def find_updates(graph: fx.Graph) -> tuple[list, list]:
             taken |= set(found.region.nodes)
         elif closest is not None:
             misses.append(_miss(weight, closest))
-    return proven, misses
+    return proven, misses + _mixing(graph)
+
+
+def _mixing(graph: fx.Graph) -> list[Miss]:
+    """Near-misses for the 1-D convs that feed a state but mix channels (no weight of theirs
+    is depthwise, so no region was cut around them)."""
+    return [Miss(NAME, f"conv update: {conv.name} convolves across channels (weight "
+                       f"{list(shape(conv.args[1]))}); an update convolves each channel alone",
+                 node=conv.name) for conv in graph.nodes
+            if conv.target in CONVS and len(shape(conv.args[0]) or ()) == 3
+            and shape(conv.args[1])[1] != 1 and _feeds_a_state(conv)]
 
 
 def _first_fit(out: fx.Node, weight: fx.Node, nodes: list, order: dict, taken: set,
@@ -578,10 +607,15 @@ def _first_fit(out: fx.Node, weight: fx.Node, nodes: list, order: dict, taken: s
             continue
         if verdict.layout is not None:
             return verdict, closest
-        if closest is None or verdict.error < closest.error or (
-                closest.region is None and verdict.region is not None):
+        if closest is None or _rank(verdict) < _rank(closest):
             closest = verdict
     return None, closest
+
+
+def _rank(verdict: Verdict) -> tuple:
+    """Misses nearest first: one about a region, one a common slip explains (``partial``: it
+    names it), the least wrong."""
+    return verdict.region is None, not verdict.partial, verdict.error
 
 
 def _verdict(out: fx.Node, state: fx.Node, weight: fx.Node, x: fx.Node, order: dict,

@@ -417,18 +417,20 @@ def test_training_ir_write_stays_in_place_and_mutates():
 
 # --- near-misses: left exactly as they were ---------------------------------------------------
 
-# case -> (module, state width, S, what the near-miss says)
+# case -> (module, state width, S, what the near-miss says: the slip conv_meaning names)
 NEAR_MISSES = {
-    "non-depthwise": (lambda: Update(groups=1), K, 3, "not depthwise"),
-    "other window": (lambda: Update(out_slice=lambda s: slice(-s - 1, -1)), K, 3, "keeps conv"),
-    "first window": (lambda: Update(out_slice=lambda s: slice(0, s)), K, 3, "keeps conv"),
-    "padding 1": (lambda: Update(padding=1), K, 3, "keeps conv positions"),
-    "prefill padding K": (lambda: Prefill(padding_delta=1), K, 3, "keeps conv positions"),
+    "non-depthwise": (lambda: Update(groups=1), K, 3, "across channels"),
+    "other window": (lambda: Update(out_slice=lambda s: slice(-s - 1, -1)), K, 3,
+                     "1 sample early"),
+    "first window": (lambda: Update(out_slice=lambda s: slice(0, s)), K, 3, "1 sample early"),
+    "padding 1": (lambda: Update(padding=1), K, 3, "1 sample late"),
+    "prefill padding K": (lambda: Prefill(padding_delta=1), K, 3, "1 sample early"),
     "fresh padding K-2, S<K": (lambda: Prefill(fresh=True, padding_delta=-1), K, 3,
-                               "keeps conv positions"),  # reads x[t+1]: not causal
-    "fresh padding K-2": (lambda: Prefill(fresh=True, padding_delta=-1), K, 5, "zero samples"),
+                               "reads samples after t"),  # reads x[t+1]: not causal
+    "fresh padding K-2": (lambda: Prefill(fresh=True, padding_delta=-1), K, 5,
+                          "reads samples after t"),
     # the prefill writes the f32 samples before the cast; the op would round them through bf16
-    "lossy state round trip": (lambda: Prefill(dtype=torch.bfloat16), K, 3, "rounds through"),
+    "lossy state round trip": (lambda: Prefill(dtype=torch.bfloat16), K, 3, "rounds"),
 }
 
 
@@ -445,6 +447,7 @@ def test_near_miss_left_untouched(case):
     assert graph_module_of(new)[0].code == code
     assert len(misses) == 1 and reason in misses[0].reason, misses
     assert misses[0].node is not None and misses[0].rule == NAME
+    assert misses[0].kind == passes.CHECK_FAILED  # the rule's own check, not validation
     assert len(find_conv_updates(_graph(new))) >= 1  # the exporter refuses dynamic S here
 
 
