@@ -33,6 +33,7 @@ import operator
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+import sympy
 import torch
 import torch.nn.functional as F
 from torch import fx
@@ -43,8 +44,8 @@ from gdn_fx.passes.program import (ASSERT_META, ATEN, add_node, base_of, dtype, 
                                    view_writes)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
-from gdn_fx.passes.evaluator import (SEEDS, TOLERANCE, Sampler, Verdict, copy_constant,
-                                     evaluable, nearest, rel)
+from gdn_fx.passes.evaluator import (SEEDS, TOLERANCE, Float64, Sampler, Verdict,
+                                     copy_constant, evaluable, nearest, rel)
 from gdn_fx.passes.validate import BOUNDS
 
 NAME = "causal_conv1d_update"
@@ -364,13 +365,8 @@ def _rel(a, b) -> float:
 
 def _sizes(node: fx.Node, at: Optional[dict] = None) -> list:
     """``node``'s shape at concrete sizes: each symbol at ``at``'s value, else its hint."""
-    dims = []
-    for dim in shape(node):
-        if type(dim) is not int:
-            env = dim.node.shape_env.var_to_val
-            dim = int(dim.node.expr.xreplace({**env, **(at or {})}).xreplace(env))
-        dims.append(dim)
-    return dims
+    return [dim if type(dim) is int else int(sympy.sympify(dim.node.expr).xreplace(
+        at or {}).xreplace(dim.node.shape_env.backed_var_to_val)) for dim in shape(node)]
 
 
 def _operands(region: Region) -> list:
@@ -763,7 +759,51 @@ def _finish(op, value, kind, want):
 
 
 def _lengths(region: Region, layout: Layout, module: fx.GraphModule) -> str:
+    """Why the region, decided at the traced sizes, is not the update at some other value of
+    its symbolic sizes ('' when it is the update at all of them).
+
+    Every size the region computes must be affine in its symbols (S + K - 1, not S // 4):
+    then, between two lengths where no two of those sizes swap order or cross zero (the roots
+    of their differences), each slice, pad and view does the same thing with offsets affine
+    in S, and two lengths there that agree with the op fix those offsets. So the region is
+    run at both ends of every such interval of each symbol's range (two lengths past the last
+    root when the range has no end), the other symbols at their traced values."""
+    dims = [d for n in region.nodes + _operands(region) for d in _dims(n) if type(d) is not int]
+    sizes = {d.node.expr for d in dims}
+    symbols = set().union(*(e.free_symbols for e in sizes))
+    for expr in sizes:
+        if not expr.is_polynomial(*symbols) or sympy.Poly(expr, *symbols).total_degree() > 1:
+            return f"the region computes a size {expr} that is not affine in {sorted(symbols)}"
+    gen = torch.Generator().manual_seed(SEEDS["conv"])
+    for symbol, value in _critical(sizes, symbols, dims[0].node.shape_env if dims else None):
+        inputs = _draw(region, gen, {symbol: sympy.Integer(value)})
+        try:
+            got = Float64(module, graph=module.graph).run(*[t.clone() for t in inputs])
+        except Exception:  # noqa: BLE001 (a length the region cannot run at is no update)
+            got = None
+        if got is None or _score(region, layout, [(inputs, got)]).layout is None:
+            return f"it is the update at the traced sizes but not at {symbol} = {value}"
     return ""
+
+
+def _dims(node: fx.Node) -> list:
+    value = val(node)
+    return [value] if isinstance(value, torch.SymInt) else list(shape(node) or ())
+
+
+def _critical(sizes: set, symbols: set, env) -> list:
+    """(symbol, value) pairs: each symbol's range bounds, its traced value and the lengths
+    around the roots of the differences of two sizes (or of a size and 0), in the range."""
+    found = []
+    for symbol in sorted(symbols, key=str):
+        low, high = env.var_to_range[symbol].lower, env.var_to_range[symbol].upper
+        roots = {r for a in sizes | {sympy.Integer(0)} for b in sizes
+                 if (a - b).free_symbols == {symbol} for r in sympy.solve(a - b, symbol)}
+        values = {low, low + 1, env.backed_var_to_val[symbol]} | {
+            sympy.floor(r) + d for r in roots for d in (-1, 0, 1, 2)}
+        values |= {high - 1, high} if high.is_finite else {max(values) + 1, max(values) + 2}
+        found += [(symbol, int(v)) for v in sorted(values) if low <= v <= high]
+    return found
 
 
 # --- what is frozen at the traced length ---------------------------------------------------

@@ -345,6 +345,31 @@ def test_dynamic_length_is_right_at_every_length(case, form):
         _assert_same(_run(new, args, {}), _run(module, args, {}))
 
 
+class ShiftedAtOtherLengths(Update):
+    """The update at the traced S = 6 only: its window starts S - 5 samples into the conv's
+    output repeated twice, which is the last S only when S + 1 - S = S - 5."""
+
+    def forward(self, x, state):
+        full = torch.cat([state, x], dim=-1)
+        state.copy_(full[:, :, -K:])
+        out = nn.functional.conv1d(full, self.conv.weight, self.conv.bias, groups=C)
+        seq = x.shape[-1]
+        return nn.functional.silu(torch.cat([out, out], -1)[:, :, seq - 5:2 * seq - 5])
+
+
+def test_dynamic_region_right_only_at_the_traced_length_stays():
+    """Translation validation runs at the traced sizes, where this region is the update; the
+    rule runs it at every length its sizes' arithmetic can change at and refuses it."""
+    program = torch.export.export(ShiftedAtOtherLengths(), (torch.randn(B, C, 6),
+                                                            torch.randn(B, C, K)),
+                                  dynamic_shapes={"x": {2: Dim("S", min=5, max=64)},
+                                                  "state": None})
+    new, fused, misses = collapse_conv(program)
+    assert fused == 0 and _count(new, (FUSED,)) == 0
+    assert len(misses) == 1 and "not at" in misses[0].reason, misses
+    assert misses[0].kind == passes.CHECK_FAILED
+
+
 # --- the prefill that feeds a cache ---------------------------------------------------------
 
 @pytest.mark.parametrize("seq, form", [(1, "training"), (1, "core"), (4, "functional"),
