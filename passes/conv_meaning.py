@@ -1,29 +1,37 @@
-"""The conv update recognized by what it computes, whatever ops spell it.
+"""Rule: a causal conv1d update becomes one ``gdn_fx::causal_conv1d_update`` node, recognized
+by what it computes, whatever ops spell it (transformers' conv1d, unfold, shifted
+multiply-adds, roll, einsum, channel-last, K - 1 states, a fresh cache's prefill, ...).
 
 Found by structure (cheaply): a depthwise weight ``w`` [C, K] or [C, 1, K] (a parameter or
-buffer) read near a state ``S`` [B, C, W] or [B, W, C] with W = K or K - 1 (an input or
-buffer). The candidate region is what lies between them and a candidate output ``o`` (a node
-computed from ``w`` shaped [B, C, T], [B, T, C] or [B, C]): the ancestors of ``o`` and of the
-state's writes (in-place writes into S or its views, a state-shaped value the program hands
-out or copies elsewhere) that are computed from S, w or a [C] bias, plus every in-place write
-into those values. What else the region reads is x ([B, C, T], [B, T, C] or [B, C]) and
-constants.
+buffer), a candidate output ``o`` computed from it ([B, C, T], [B, T, C] or [B, C]), a state
+``S`` [B, C, W] or [B, W, C] with W = K or K - 1 that the region reads or that a copy writes
+into (an input, a buffer, a clone of one, a fresh cache's zeros; or none, when the program
+only hands the new state out), and an ``x`` shaped like ``o`` that it reads. The region is
+what lies between them and ``o``: the ancestors of ``o`` and of the state's writes (in-place
+writes into S or its views, a state-shaped value the program hands out or copies elsewhere)
+that are computed from S, w or x, plus every in-place write into those values; it reads
+nothing else but a [C] bias and constants.
 
 Decided by meaning: the region is cut out as a small graph and run in float64 at random x, S,
-w and bias, next to the update
+w and bias, next to the op's own kernel
 
-    full = cat(S, x) (S padded with one zero sample in front when W = K - 1)
+    full = cat(S or zeros, x) (padded with one zero sample in front when W = K - 1)
     out  = act(bias + sum_k w[:, k] * full[..., t + 1 + k])        t = 0 .. T - 1
     new  = full[..., -W:]
 
 under every layout the shapes allow (x, S and o channel-first or channel-last, x and o 2-D at
-T = 1; with or without the bias; SiLU or no activation). The region fuses when, for one layout,
-o and every value it hands out (the new state: S after the run, or the state-shaped values read
-outside) agree to 1e-9 relative at two points. Otherwise the nearest layout says what is off.
+T = 1; with or without the bias; SiLU or no activation; the state's history or a zero one).
+The region fuses when, for one layout, o and every value it hands out (the new state: S after
+the run, or the state-shaped values read outside) agree to 1e-9 relative at two points, and
+then also at the traced dtypes (float64 sees no rounding: a state must land bit for bit, the
+output within translation validation's bound) and at every length its symbolic sizes can
+change at (``_lengths``). Otherwise the nearest layout says what is off, a common slip named.
 
 The rewrite (rebuild.py) emits ``causal_conv1d_update`` where the region's operands are all
-ready, with transposes, the zero sample of a K - 1 state and the slice back outside the node;
-the region's nodes go, an in-place state write becomes one ``copy_(S, new_state)``.
+ready (an operand computed from the inputs alone moves there), with transposes, zeros for a
+zero history, the zero sample of a K - 1 state and the slice back outside the node; the
+region's nodes go, an in-place state write becomes one ``copy_(S, new_state)``, a copy of a
+state value stays and copies ``new_state``.
 """
 
 from __future__ import annotations
@@ -39,13 +47,13 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from gdn_fx.passes.program import (ASSERT_META, ATEN, add_node, base_of, dtype, fake_mode_of,
-                                   is_mutation, is_pure, is_zeros, positions, reachable, shape, val,
-                                   view_writes)
-from gdn_fx.passes.rebuild import Fusion
-from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.evaluator import (SEEDS, TOLERANCE, Float64, Sampler, Verdict,
                                      copy_constant, evaluable, nearest, rel)
+from gdn_fx.passes.program import (ASSERT_META, ATEN, add_node, base_of, dtype, fake_mode_of,
+                                   is_mutation, is_pure, is_zeros, positions, reachable, shape,
+                                   val, view_writes)
+from gdn_fx.passes.rebuild import Fusion
+from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.validate import BOUNDS
 
 NAME = "causal_conv1d_update"
@@ -495,6 +503,54 @@ def _lands(node: fx.Node) -> list:
     return [dtype(node)]
 
 
+def _lengths(region: Region, layout: Layout, module: fx.GraphModule) -> str:
+    """Why the region, decided at the traced sizes, is not the update at some other value of
+    its symbolic sizes ('' when it is the update at all of them).
+
+    Every size the region computes must be affine in its symbols (S + K - 1, not S // 4):
+    then, between two lengths where no two of those sizes swap order or cross zero (the roots
+    of their differences), each slice, pad and view does the same thing with offsets affine
+    in S, and two lengths there that agree with the op fix those offsets. So the region is
+    run at both ends of every such interval of each symbol's range (two lengths past the last
+    root when the range has no end), the other symbols at their traced values."""
+    dims = [d for n in region.nodes + _operands(region) for d in _dims(n) if type(d) is not int]
+    sizes = {d.node.expr for d in dims}
+    symbols = set().union(*(e.free_symbols for e in sizes))
+    for expr in sizes:
+        if not expr.is_polynomial(*symbols) or sympy.Poly(expr, *symbols).total_degree() > 1:
+            return f"the region computes a size {expr} that is not affine in {sorted(symbols)}"
+    gen = torch.Generator().manual_seed(SEEDS["conv"])
+    for symbol, value in _critical(sizes, symbols, dims[0].node.shape_env if dims else None):
+        inputs = _draw(region, gen, {symbol: sympy.Integer(value)})
+        try:
+            got = Float64(module, graph=module.graph).run(*[t.clone() for t in inputs])
+        except Exception:  # noqa: BLE001 (a length the region cannot run at is no update)
+            got = None
+        if got is None or _score(region, layout, [(inputs, got)]).layout is None:
+            return f"it is the update at the traced sizes but not at {symbol} = {value}"
+    return ""
+
+
+def _dims(node: fx.Node) -> list:
+    value = val(node)
+    return [value] if isinstance(value, torch.SymInt) else list(shape(node) or ())
+
+
+def _critical(sizes: set, symbols: set, env) -> list:
+    """(symbol, value) pairs: each symbol's range bounds, its traced value and the lengths
+    around the roots of the differences of two sizes (or of a size and 0), in the range."""
+    found = []
+    for symbol in sorted(symbols, key=str):
+        low, high = env.var_to_range[symbol].lower, env.var_to_range[symbol].upper
+        roots = {r for a in sizes | {sympy.Integer(0)} for b in sizes
+                 if (a - b).free_symbols == {symbol} for r in sympy.solve(a - b, symbol)}
+        values = {low, low + 1, env.backed_var_to_val[symbol]} | {
+            sympy.floor(r) + d for r in roots for d in (-1, 0, 1, 2)}
+        values |= {high - 1, high} if high.is_finite else {max(values) + 1, max(values) + 2}
+        found += [(symbol, int(v)) for v in sorted(values) if low <= v <= high]
+    return found
+
+
 def _exit_role(value, want_out, ref_new, layout):
     if isinstance(value, torch.Tensor):
         if _rel(value, want_out) <= TOLERANCE:
@@ -756,54 +812,6 @@ def _finish(op, value, kind, want):
     if want is not None and dtype(value) != want:
         value = op(ATEN._to_copy.default, value, dtype=want)
     return value
-
-
-def _lengths(region: Region, layout: Layout, module: fx.GraphModule) -> str:
-    """Why the region, decided at the traced sizes, is not the update at some other value of
-    its symbolic sizes ('' when it is the update at all of them).
-
-    Every size the region computes must be affine in its symbols (S + K - 1, not S // 4):
-    then, between two lengths where no two of those sizes swap order or cross zero (the roots
-    of their differences), each slice, pad and view does the same thing with offsets affine
-    in S, and two lengths there that agree with the op fix those offsets. So the region is
-    run at both ends of every such interval of each symbol's range (two lengths past the last
-    root when the range has no end), the other symbols at their traced values."""
-    dims = [d for n in region.nodes + _operands(region) for d in _dims(n) if type(d) is not int]
-    sizes = {d.node.expr for d in dims}
-    symbols = set().union(*(e.free_symbols for e in sizes))
-    for expr in sizes:
-        if not expr.is_polynomial(*symbols) or sympy.Poly(expr, *symbols).total_degree() > 1:
-            return f"the region computes a size {expr} that is not affine in {sorted(symbols)}"
-    gen = torch.Generator().manual_seed(SEEDS["conv"])
-    for symbol, value in _critical(sizes, symbols, dims[0].node.shape_env if dims else None):
-        inputs = _draw(region, gen, {symbol: sympy.Integer(value)})
-        try:
-            got = Float64(module, graph=module.graph).run(*[t.clone() for t in inputs])
-        except Exception:  # noqa: BLE001 (a length the region cannot run at is no update)
-            got = None
-        if got is None or _score(region, layout, [(inputs, got)]).layout is None:
-            return f"it is the update at the traced sizes but not at {symbol} = {value}"
-    return ""
-
-
-def _dims(node: fx.Node) -> list:
-    value = val(node)
-    return [value] if isinstance(value, torch.SymInt) else list(shape(node) or ())
-
-
-def _critical(sizes: set, symbols: set, env) -> list:
-    """(symbol, value) pairs: each symbol's range bounds, its traced value and the lengths
-    around the roots of the differences of two sizes (or of a size and 0), in the range."""
-    found = []
-    for symbol in sorted(symbols, key=str):
-        low, high = env.var_to_range[symbol].lower, env.var_to_range[symbol].upper
-        roots = {r for a in sizes | {sympy.Integer(0)} for b in sizes
-                 if (a - b).free_symbols == {symbol} for r in sympy.solve(a - b, symbol)}
-        values = {low, low + 1, env.backed_var_to_val[symbol]} | {
-            sympy.floor(r) + d for r in roots for d in (-1, 0, 1, 2)}
-        values |= {high - 1, high} if high.is_finite else {max(values) + 1, max(values) + 2}
-        found += [(symbol, int(v)) for v in sorted(values) if low <= v <= high]
-    return found
 
 
 # --- what is frozen at the traced length ---------------------------------------------------
