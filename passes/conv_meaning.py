@@ -521,8 +521,10 @@ def _lengths(region: Region, layout: Layout, module: fx.GraphModule) -> str:
             return f"the region computes a size {expr} that is not affine in {sorted(symbols)}"
     gen = torch.Generator().manual_seed(SEEDS["conv"])
     for symbol, value in _critical(sizes, symbols, dims[0].node.shape_env if dims else None):
-        inputs = _draw(region, gen, {symbol: sympy.Integer(value)})
+        if value is None:
+            return f"no range is known for its size {symbol}"
         try:
+            inputs = _draw(region, gen, {symbol: sympy.Integer(value)})
             got = Float64(module, graph=module.graph).run(*[t.clone() for t in inputs])
         except Exception:  # noqa: BLE001 (a length the region cannot run at is no update)
             got = None
@@ -541,6 +543,8 @@ def _critical(sizes: set, symbols: set, env) -> list:
     around the roots of the differences of two sizes (or of a size and 0), in the range."""
     found = []
     for symbol in sorted(symbols, key=str):
+        if symbol not in env.var_to_range or symbol not in env.backed_var_to_val:
+            return [(symbol, None)]  # no range or no traced value: no length is proven
         low, high = env.var_to_range[symbol].lower, env.var_to_range[symbol].upper
         roots = {r for a in sizes | {sympy.Integer(0)} for b in sizes
                  if (a - b).free_symbols == {symbol} for r in sympy.solve(a - b, symbol)}
@@ -715,8 +719,10 @@ def _anchor(region: Region, order: dict) -> fx.Node:
 
 
 def _movable(node: fx.Node, depth: int = 0) -> bool:
-    """Computed from the program's inputs and attributes alone, by pure calls (it can move)."""
-    return _is_leaf(node) or depth < 4 and is_pure(node) and all(
+    """Computed by pure calls from inputs and attributes that nothing writes (it can move)."""
+    if _is_leaf(node):
+        return not view_writes(node)
+    return depth < 4 and is_pure(node) and all(
         _movable(a, depth + 1) for a in node.all_input_nodes)
 
 
