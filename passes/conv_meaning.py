@@ -652,8 +652,7 @@ def _mixing(graph: fx.Graph) -> list[Miss]:
     return [Miss(NAME, f"conv update: {conv.name} convolves across channels (weight "
                        f"{list(shape(conv.args[1]))}); an update convolves each channel alone",
                  node=conv.name) for conv in graph.nodes
-            if conv.target in CONVS and len(shape(conv.args[0]) or ()) == 3
-            and shape(conv.args[1])[1] != 1 and _feeds_a_state(conv)]
+            if _conv1d(conv) and shape(conv.args[1])[1] != 1 and _feeds_a_state(conv)]
 
 
 def _first_fit(out: fx.Node, weight: fx.Node, nodes: list, order: dict, taken: set,
@@ -836,20 +835,27 @@ def find_conv_updates(graph: fx.Graph) -> list[str]:
     """
     found = []
     for conv in graph.nodes:
-        if conv.target in CONVS and len(shape(conv.args[0]) or ()) == 3 and _feeds_a_state(conv):
+        if _conv1d(conv) and _feeds_a_state(conv):
             found += [f"conv update at node {conv.name} was not collapsed: {node.name} keeps "
                       f"[{_bounds(node)}] of the time axis, a bound fixed at the traced "
                       "sequence length" for node in _after(conv) if _bounds(node)]
     return found
 
 
+def _conv1d(node: fx.Node) -> bool:
+    """A convolution of a [B, C, T] input by a [C_out, C_in / groups, K] weight."""
+    return node.target in CONVS and len(shape(node.args[0]) or ()) == 3 and \
+        len(shape(node.args[1]) or ()) == 3
+
+
 def _feeds_a_state(conv: fx.Node) -> bool:
     """The conv reads (through casts) a cat on the time axis, or samples a slice keeps."""
     kernel, node = shape(conv.args[1])[-1], conv.args[0]
-    while node.op == "call_function" and _same_shape(node.args[0], node):
+    while node.op == "call_function" and len(node.all_input_nodes) == 1 \
+            and _same_shape(node.all_input_nodes[0], node):
         if any(u.target is ATEN.slice.Tensor and _same(shape(u)[-1], kernel) for u in node.users):
             return True
-        node = node.args[0]
+        node = node.all_input_nodes[0]
     return node.target is ATEN.cat.default and list(node.args[1:2]) in ([2], [-1]) or any(
         u.target is ATEN.slice.Tensor and _same(shape(u)[-1], kernel) for u in node.users)
 
@@ -869,7 +875,7 @@ def _after(conv: fx.Node) -> set:
 def _bounds(node: fx.Node) -> str:
     """'start:end' of a time slice with a literal bound counted from the end or a literal
     end; '' for any other node."""
-    if node.target is not ATEN.slice.Tensor or node.args[1] not in (2, -1):
+    if node.target is not ATEN.slice.Tensor or list(node.args[1:2]) not in ([2], [-1]):
         return ""
     start, end = (list(node.args[2:4]) + [None, None])[:2]
     if not (type(start) is int and start < 0 or type(end) is int and 0 < end < END):
