@@ -514,8 +514,8 @@ def _lengths(region: Region, layout: Layout, module: fx.GraphModule) -> str:
     then, between two lengths where no two of those sizes swap order or cross zero (the roots
     of their differences), each slice, pad and view does the same thing with offsets affine
     in S, and two lengths there that agree with the op fix those offsets. So the region is
-    run at both ends of every such interval of each symbol's range (two lengths past the last
-    root when the range has no end), the other symbols at their traced values."""
+    run at the first two lengths of every such interval of each symbol's range (small ones:
+    a range's far end may be a long context), the other symbols at their traced values."""
     dims = [d for n in region.nodes + _operands(region) for d in _dims(n) if type(d) is not int]
     sizes = {d.node.expr for d in dims}
     symbols = set().union(*(e.free_symbols for e in sizes))
@@ -542,8 +542,9 @@ def _dims(node: fx.Node) -> list:
 
 
 def _critical(sizes: set, symbols: set, env) -> list:
-    """(symbol, value) pairs: each symbol's range bounds, its traced value and the lengths
-    around the roots of the differences of two sizes (or of a size and 0), in the range."""
+    """(symbol, value) pairs: each symbol's lowest two values, its traced value and the
+    lengths around the roots of the differences of two sizes (or of a size and 0), in its
+    range."""
     found = []
     for symbol in sorted(symbols, key=str):
         if symbol not in env.var_to_range or symbol not in env.backed_var_to_val:
@@ -553,7 +554,6 @@ def _critical(sizes: set, symbols: set, env) -> list:
                  if (a - b).free_symbols == {symbol} for r in sympy.solve(a - b, symbol)}
         values = {low, low + 1, env.backed_var_to_val[symbol]} | {
             sympy.floor(r) + d for r in roots for d in (-1, 0, 1, 2)}
-        values |= {high - 1, high} if high.is_finite else {max(values) + 1, max(values) + 2}
         found += [(symbol, int(v)) for v in sorted(values) if low <= v <= high]
     return found
 
