@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from gdn_fx.errors import InternalError
-from gdn_fx.passes import chunk_meaning, conv_update, gdn_recurrent, hop
+from gdn_fx.passes import chunk_meaning, conv_meaning, gdn_recurrent, hop
 from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
 from gdn_fx.passes.rebuild import rebuild
 from gdn_fx.passes.result import CHECK_FAILED, VALIDATION_FAILED, CollapseResult, Miss
@@ -29,14 +29,14 @@ log = logging.getLogger(__name__)
 # rebuilds, validates and hands the result to the next rule. The loop rules run first, on
 # the original graph, since unrolled loops are most of it; the later ones see what is left.
 # To add a rule: one more entry here.
-GDN, CONV = gdn_recurrent.NAME, conv_update.NAME
+GDN, CONV = gdn_recurrent.NAME, conv_meaning.NAME
 RULES: tuple[Rule, ...] = (
     Rule("recurrence", GDN, gdn_recurrent.plan_recurrences, gdn_recurrent.find_unrolled),
     # a loop kept as one scan node; near-misses for other loop HOPs
     Rule("scan_hop", GDN, hop.plan_scan_hops, hop.hop_unrolled),
     # chunked forms (prefill): transformers' chunk rules, FLA's references, any chunk algebra
     Rule("chunk", GDN, chunk_meaning.plan_chunks_by_meaning, chunk_meaning.find_chunk_forms),
-    Rule("conv_update", CONV, conv_update.plan_conv_updates, conv_update.find_conv_updates),
+    Rule("conv_update", CONV, conv_meaning.plan_conv_updates, conv_meaning.find_conv_updates),
 )
 if len({rule.name for rule in RULES}) != len(RULES):
     raise InternalError(f"two rules share a name: {[rule.name for rule in RULES]}")

@@ -21,7 +21,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn as hf_
 from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_update as hf_update
 
 from gdn_fx import passes
-from gdn_fx.passes.conv_update import NAME, find_conv_updates
+from gdn_fx.passes.conv_meaning import NAME, find_conv_updates
 from gdn_fx.passes.program import graph_module_of
 
 FUSED = torch.ops.gdn_fx.causal_conv1d_update.default
@@ -345,6 +345,31 @@ def test_dynamic_length_is_right_at_every_length(case, form):
         _assert_same(_run(new, args, {}), _run(module, args, {}))
 
 
+class ShiftedAtOtherLengths(Update):
+    """The update at the traced S = 6 only: its window starts S - 5 samples into the conv's
+    output repeated twice, which is the last S only when S + 1 - S = S - 5."""
+
+    def forward(self, x, state):
+        full = torch.cat([state, x], dim=-1)
+        state.copy_(full[:, :, -K:])
+        out = nn.functional.conv1d(full, self.conv.weight, self.conv.bias, groups=C)
+        seq = x.shape[-1]
+        return nn.functional.silu(torch.cat([out, out], -1)[:, :, seq - 5:2 * seq - 5])
+
+
+def test_dynamic_region_right_only_at_the_traced_length_stays():
+    """Translation validation runs at the traced sizes, where this region is the update; the
+    rule runs it at every length its sizes' arithmetic can change at and refuses it."""
+    program = torch.export.export(ShiftedAtOtherLengths(), (torch.randn(B, C, 6),
+                                                            torch.randn(B, C, K)),
+                                  dynamic_shapes={"x": {2: Dim("S", min=5, max=64)},
+                                                  "state": None})
+    new, fused, misses = collapse_conv(program)
+    assert fused == 0 and _count(new, (FUSED,)) == 0
+    assert len(misses) == 1 and "not at" in misses[0].reason, misses
+    assert misses[0].kind == passes.CHECK_FAILED
+
+
 # --- the prefill that feeds a cache ---------------------------------------------------------
 
 @pytest.mark.parametrize("seq, form", [(1, "training"), (1, "core"), (4, "functional"),
@@ -417,18 +442,20 @@ def test_training_ir_write_stays_in_place_and_mutates():
 
 # --- near-misses: left exactly as they were ---------------------------------------------------
 
-# case -> (module, state width, S, what the near-miss says)
+# case -> (module, state width, S, what the near-miss says: the slip conv_meaning names)
 NEAR_MISSES = {
-    "non-depthwise": (lambda: Update(groups=1), K, 3, "not depthwise"),
-    "other window": (lambda: Update(out_slice=lambda s: slice(-s - 1, -1)), K, 3, "keeps conv"),
-    "first window": (lambda: Update(out_slice=lambda s: slice(0, s)), K, 3, "keeps conv"),
-    "padding 1": (lambda: Update(padding=1), K, 3, "keeps conv positions"),
-    "prefill padding K": (lambda: Prefill(padding_delta=1), K, 3, "keeps conv positions"),
+    "non-depthwise": (lambda: Update(groups=1), K, 3, "across channels"),
+    "other window": (lambda: Update(out_slice=lambda s: slice(-s - 1, -1)), K, 3,
+                     "1 sample early"),
+    "first window": (lambda: Update(out_slice=lambda s: slice(0, s)), K, 3, "1 sample early"),
+    "padding 1": (lambda: Update(padding=1), K, 3, "1 sample late"),
+    "prefill padding K": (lambda: Prefill(padding_delta=1), K, 3, "1 sample early"),
     "fresh padding K-2, S<K": (lambda: Prefill(fresh=True, padding_delta=-1), K, 3,
-                               "keeps conv positions"),  # reads x[t+1]: not causal
-    "fresh padding K-2": (lambda: Prefill(fresh=True, padding_delta=-1), K, 5, "zero samples"),
+                               "reads samples after t"),  # reads x[t+1]: not causal
+    "fresh padding K-2": (lambda: Prefill(fresh=True, padding_delta=-1), K, 5,
+                          "reads samples after t"),
     # the prefill writes the f32 samples before the cast; the op would round them through bf16
-    "lossy state round trip": (lambda: Prefill(dtype=torch.bfloat16), K, 3, "rounds through"),
+    "lossy state round trip": (lambda: Prefill(dtype=torch.bfloat16), K, 3, "rounds"),
 }
 
 
@@ -445,6 +472,7 @@ def test_near_miss_left_untouched(case):
     assert graph_module_of(new)[0].code == code
     assert len(misses) == 1 and reason in misses[0].reason, misses
     assert misses[0].node is not None and misses[0].rule == NAME
+    assert misses[0].kind == passes.CHECK_FAILED  # the rule's own check, not validation
     assert len(find_conv_updates(_graph(new))) >= 1  # the exporter refuses dynamic S here
 
 
