@@ -11,6 +11,11 @@ Two parts, in one run on the GPU machine:
   the same shape, on the GPU) timed the same way in the same process. tract's profile of one
   decode and one prefill call names every op it runs on the CPU (not Cuda*/Gpu*/DeviceSync*).
 
+The 0.8B shape is exported twice: the table's choices, and the conv update forced to tract's
+conv op ("conv depthwise", one op instead of the multiply-adds that tract's slice push-up cuts
+in three). ``--baseline FILE ...`` times 0.8B artifacts another revision wrote (same script,
+``prepare_big`` run there) in the same process, after this revision's.
+
 The 0.8B artifact's large weights are a random block of BLOCK values repeated (the tgz then
 compresses ~1000:1 and travels to the GPU machine); timing does not depend on the values.
 torch eager gets its own random weights. The files are written where torch-to-nnef is, the
@@ -18,6 +23,7 @@ timing runs where the GPU is:
 
     .venv/bin/python bench/bench_cuda_generate.py --prepare .gpu/gen       # here
     python3 bench/bench_cuda_generate.py --run .gpu/gen --out $OUT          # on the GPU machine
+        [--baseline .gpu/base/qwen35_08b_f16.nnef.tgz]
     .venv/bin/python bench/bench_cuda_generate.py --prepare .gpu/gen --tiny-only
 """
 
