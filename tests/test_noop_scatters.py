@@ -107,9 +107,10 @@ def distinct(x):
     (distinct, 0, 3, True),            # the same row, written back
     (expanded, 2, 3, True),            # through clone and a broadcast add of a scalar
 ])
-def test_hand_written_row_copies(make, k, step, goes):
+@pytest.mark.parametrize("decompose", [False, True])
+def test_hand_written_row_copies(make, k, step, goes, decompose):
     x = torch.randn(4, 12)
-    before, after, removed = rewritten(RowCopy(make, k, step), (x,))
+    before, after, removed = rewritten(RowCopy(make, k, step), (x,), None, decompose)
     assert (removed > 0) == goes
     if goes:
         assert scatters(after) == 0
@@ -130,5 +131,23 @@ class ShiftedCopy(nn.Module):
 def test_another_window_of_the_same_values_is_kept():
     x = torch.randn(4, 12)
     before, after, removed = rewritten(ShiftedCopy(), (x,))
+    assert removed == 0
+    assert same(before, after, x)
+
+
+class RowOntoAnother(nn.Module):
+    """rows[2] = rows[0] of rows that differ: a select_scatter whose source index equals its
+    dim (0) but not its index (2): kept."""
+
+    def forward(self, x):
+        rows = distinct(x)
+        rows[2] = rows[0]
+        return rows * 1.0
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_a_row_written_onto_another_row_is_kept(decompose):
+    x = torch.randn(4, 12)
+    before, after, removed = rewritten(RowOntoAnother(), (x,), None, decompose)
     assert removed == 0
     assert same(before, after, x)

@@ -170,9 +170,9 @@ def _writes_back(node: fx.Node) -> bool:
     rank = _rank(base)
     if src.target is not aten.select.int or src.args[1] % rank != node.args[2] % rank:
         return False
-    dim = node.args[2] % rank
+    dim, index = node.args[2] % rank, node.args[3]  # select_scatter(base, src, dim, index)
     return same_values(src.args[0], base) and (
-        _index(src.args[2], base, dim) == _index(node.args[2], base, dim)
+        _index(src.args[2], base, dim) == _index(index, base, dim)
         or uniform(_peel(base), dim))
 
 
