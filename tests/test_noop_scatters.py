@@ -151,3 +151,21 @@ def test_a_row_written_onto_another_row_is_kept(decompose):
     before, after, removed = rewritten(RowOntoAnother(), (x,), None, decompose)
     assert removed == 0
     assert same(before, after, x)
+
+
+class InputWritten(nn.Module):
+    """x[0] = y and x[:, 1:3] = y2, sources that are program inputs: kept."""
+
+    def forward(self, x, y, y2):
+        x = x * 1.0
+        x[0] = y
+        x[:, 1:3] = y2
+        return x
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_inputs_written_into_a_tensor_are_kept(decompose):
+    args = (torch.randn(4, 12), torch.randn(12), torch.randn(4, 2))
+    before, after, removed = rewritten(InputWritten(), args, None, decompose)
+    assert removed == 0
+    assert same(before, after, *args)

@@ -28,7 +28,6 @@ aten = torch.ops.aten
 _COPIES = {aten.clone.default, aten.alias.default}  # same values as their input
 # traced_sizes.py turns an expand to symbolic sizes into the Tensor method
 _EXPANDS = (aten.expand.default, "expand")
-_END = 2 ** 63 - 1
 
 
 def _rank(node: fx.Node) -> Optional[int]:
@@ -40,8 +39,10 @@ def _size(node: fx.Node, dim: int):
     return node.meta["val"].shape[dim]
 
 
-def _same_shape(a: fx.Node, b: fx.Node) -> bool:
+def _same_shape(a, b) -> bool:
     """Shapes provably equal (symbolic sizes compared without adding a guard)."""
+    if _rank(a) is None or _rank(b) is None:
+        return False
     sa, sb = a.meta["val"].shape, b.meta["val"].shape
     return len(sa) == len(sb) and all(statically_known_true(x == y) for x, y in zip(sa, sb))
 
@@ -100,8 +101,8 @@ def _window(node: fx.Node, dim_at: int, size) -> tuple:
     start = _arg(node, dim_at + 1, "start", None)
     end = _arg(node, dim_at + 2, "end", None)
     step = _arg(node, dim_at + 3, "step", 1)
-    start, end = 0 if start is None else start, _END if end is None else end
-    if isinstance(size, int) and all(isinstance(v, int) for v in (start, end, step)):
+    start = 0 if start is None else start
+    if isinstance(size, int) and all(isinstance(v, (int, type(None))) for v in (start, end, step)):
         return dim, range(*slice(start, end, step).indices(size))
     return dim, (start, end, step)
 
@@ -124,23 +125,24 @@ def same_values(a, b) -> bool:
     a, b = _peel(a), _peel(b)
     if a is b:
         return True
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+    if _rank(a) is None or _rank(b) is None:  # not tensors with known shapes: not proven
         return False
     if _rebroadcast(a, b) or _rebroadcast(b, a):
         return True
     if a.target is not b.target:
         return False
+    if a.target not in (aten.slice.Tensor, aten.select.int) or \
+            _rank(a.args[0]) is None or _rank(b.args[0]) is None:
+        return False
     if a.target is aten.slice.Tensor:
         size = _size(a.args[0], _arg(a, 1, "dim", 0) % _rank(a.args[0]))
         return _window(a, 1, size) == _window(b, 1, size) and same_values(a.args[0], b.args[0])
-    if a.target is aten.select.int:
-        rank = _rank(a.args[0])
-        dim_a, dim_b = a.args[1] % rank, b.args[1] % rank
-        if dim_a != dim_b or not same_values(a.args[0], b.args[0]):
-            return False
-        return _index(a.args[2], a.args[0], dim_a) == _index(b.args[2], b.args[0], dim_a) \
-            or uniform(_peel(a.args[0]), dim_a)
-    return False
+    rank = _rank(a.args[0])  # two selects
+    dim_a, dim_b = a.args[1] % rank, b.args[1] % rank
+    if dim_a != dim_b or not same_values(a.args[0], b.args[0]):
+        return False
+    return _index(a.args[2], a.args[0], dim_a) == _index(b.args[2], b.args[0], dim_a) \
+        or uniform(_peel(a.args[0]), dim_a)
 
 
 def _rebroadcast(a: fx.Node, b: fx.Node) -> bool:
@@ -149,11 +151,12 @@ def _rebroadcast(a: fx.Node, b: fx.Node) -> bool:
     if a.target not in _EXPANDS or not _same_shape(a, b):
         return False
     unsqueezed = a.args[0]
-    if unsqueezed.target is not aten.unsqueeze.default:
+    if _rank(unsqueezed) is None or unsqueezed.target is not aten.unsqueeze.default:
         return False
     dim = unsqueezed.args[1] % _rank(unsqueezed)
     picked = _peel(unsqueezed.args[0])
-    return isinstance(picked, fx.Node) and picked.target is aten.select.int and \
+    return _rank(picked) is not None and picked.target is aten.select.int and \
+        _rank(picked.args[0]) is not None and \
         picked.args[1] % _rank(picked.args[0]) == dim and \
         same_values(picked.args[0], b) and uniform(_peel(picked.args[0]), dim)
 
@@ -161,7 +164,7 @@ def _rebroadcast(a: fx.Node, b: fx.Node) -> bool:
 def _writes_back(node: fx.Node) -> bool:
     """Whether scatter ``node``'s source equals what its base holds where it writes."""
     base, src = node.args[0], _peel(node.args[1])
-    if not isinstance(src, fx.Node):
+    if _rank(src) is None or _rank(base) is None or not src.args or _rank(src.args[0]) is None:
         return False
     if node.target is aten.slice_scatter.default:
         size = _size(base, _arg(node, 2, "dim", 0) % _rank(base))
