@@ -111,7 +111,9 @@ def test_prefill_collapses_through_this_release_chunk_rule():
     step = DecodeStep(exportable(tiny_model("qwen3_next")))
     program = torch.export.export(step, step.example_inputs(seq_len=8), strict=False)
     result = gdn_fx.collapse(program)
-    assert result.counts.get("gated_delta_scan", 0) == 3  # three linear-attention layers
+    # three linear-attention layers: each a scan and a conv update (from a fresh cache)
+    assert result.counts.get("gated_delta_scan", 0) == 3, result.explain()
+    assert result.counts.get("causal_conv1d_update", 0) == 3, result.explain()
     assert gdn_fx.compare_programs(program, result.program) is None
 
 
