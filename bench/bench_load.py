@@ -11,6 +11,11 @@ to the artifact's bytes. The model is bench_generate's shape (``--quick``: 4 lay
 
     .venv/bin/python bench/bench_load.py --quick                 # f32 and q4_0 (~2 min)
     .venv/bin/python bench/bench_load.py --formats f32           # the 0.8B shape
+    .venv/bin/python bench/bench_load.py --formats f32 --peer /tmp/peer/full/peer/export/decoder/model.nnef.tgz
+
+``--peer FILE``: the peer's decoder graph of the same shape (bench/peer.py writes it, f32) is
+loaded by the same child in the same rounds as the f32 layouts, one after the other (the
+peer's loader adds its tract_transformers ops as ours does).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ print(json.dumps(dict(load=loaded - start, runnable=done - loaded, rss_load=afte
 def _arguments(argv):
     parser = common.parser(__doc__.splitlines()[0])
     parser.add_argument("--formats", default="f32,q4_0", help="weight formats, e.g. f32,q4_0")
+    parser.add_argument("--peer", type=Path, default=None,
+                        help="the peer's decoder graph (bench/peer.py), timed beside f32")
     return parser.parse_args(argv)
 
 
@@ -90,6 +97,14 @@ def _load_once(path: Path) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _row(key: tuple, size: int, runs: list) -> list:
+    pick = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+    return [*key, common.human_bytes(size), f"{pick['load']:.2f}", f"{pick['runnable']:.2f}",
+            common.human_bytes(int(pick["rss_load"])), common.human_bytes(int(pick["rss"])),
+            common.human_bytes(int(pick["trimmed"])), common.human_bytes(int(pick["peak"])),
+            f"{pick['trimmed'] / size:.2f}x", f"{pick['peak'] / size:.2f}x"]
+
+
 def main(argv=None) -> None:
     from gdn_fx.hf.generator import export_generator
 
@@ -102,16 +117,14 @@ def main(argv=None) -> None:
     for fmt in args.formats.split(","):
         path = folder / f"{fmt}.nnef.tgz"
         export_generator(build(shape), path, weights=fmt, decode=False)  # one graph
-        for layout, item in _layouts(path).items():
-            runs = [_load_once(item) for _ in range(rounds)]
-            size = _bytes(item)
-            pick = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-            rows.append([fmt, layout, common.human_bytes(size), f"{pick['load']:.2f}",
-                         f"{pick['runnable']:.2f}", common.human_bytes(int(pick["rss_load"])),
-                         common.human_bytes(int(pick["rss"])),
-                         common.human_bytes(int(pick["trimmed"])),
-                         common.human_bytes(int(pick["peak"])),
-                         f"{pick['trimmed'] / size:.2f}x", f"{pick['peak'] / size:.2f}x"])
+        items = {(fmt, layout): item for layout, item in _layouts(path).items()}
+        if fmt == "f32" and args.peer:
+            items[("f32", "peer's decoder graph (.nnef.tgz)")] = args.peer
+        runs = {key: [] for key in items}
+        for _ in range(rounds):  # the items one after the other in each round
+            for key, item in items.items():
+                runs[key].append(_load_once(item))
+        rows += [_row(key, _bytes(items[key]), runs[key]) for key in items]
         shutil.rmtree(path.with_name(f"{fmt}.nnef"), ignore_errors=True)
     common.emit(common.header(
         "Loading an artifact in tract, by layout",
