@@ -33,11 +33,10 @@ from gdn_fx.lowering import gdn_chunked_text as text
 from gdn_fx.lowering import gdn_fast_common as common
 from gdn_fx.lowering.facts import ScanFacts, portable_dtype_reason
 from gdn_fx.lowering.nnef_emit import EmitContext
+from gdn_fx.lowering.scan_chunks import SCAN_CHUNK, SCAN_CHUNKS_PER_STEP
 from gdn_fx.lowering.target import Target
 
 CHUNK = 64
-SCAN_CHUNK = 32
-SCAN_CHUNKS_PER_STEP = 2
 # tract's load time grows super-linearly with the chunks written out (busy 2-core machine,
 # 16 heads of 128: 8 chunks ~2 s, 16 ~15 s, 32 ~60 s); past this count "chunked" loops.
 MAX_UNROLLED_CHUNKS = 16

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from gdn_fx.lowering.gdn_chunked import SCAN_CHUNK, SCAN_CHUNKS_PER_STEP
+from gdn_fx.lowering.scan_chunks import SCAN_CHUNK, SCAN_CHUNKS_PER_STEP
 
 # tract 0.23.9 computes a matmul whose row count is symbolic (S) at ~150 GFLOP/s on this
 # machine while its packed activations (rows x inner dim x itemsize) fit the L2 cache, and at

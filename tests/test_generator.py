@@ -271,3 +271,31 @@ def test_a_half_precision_model_generates(tmp_path):
     step = DecodeStep(model, last_logits=True, whole_windows=True)
     assert decode_problem(files.decode, files.main, step) == ""
     assert "differs" in decode_problem(other.decode, files.main, step)
+
+
+RUN_ONLY = """
+import json, sys
+sys.modules["torch_to_nnef"] = sys.modules["nnef_tools"] = None  # a machine that only runs
+from gdn_fx.hf.generator import Generator
+print(json.dumps(Generator(sys.argv[1]).generate(json.loads(sys.argv[2]), 12).tokens))
+"""
+
+
+def test_generating_needs_neither_torch_to_nnef_nor_nnef_tools(tmp_path):
+    # A GPU box that runs artifacts exported elsewhere has tract, not the export toolchain
+    # (the generator's automatic prompt chunk once imported the lowering's writers).
+    import json
+    import subprocess
+    import sys
+
+    model = tiny_model("qwen3_5")
+    files = export_generator(model, tmp_path / "q.nnef.tgz")
+    prompt = _prompt(70)
+    out = subprocess.run([sys.executable, "-c", RUN_ONLY, str(files.main), json.dumps(prompt)],
+                         capture_output=True, text=True, check=True).stdout
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              min_new_tokens=0, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    assert json.loads(out.strip().splitlines()[-1]) == want
