@@ -11,9 +11,9 @@ Two parts, in one run on the GPU machine:
   the same shape, on the GPU) timed the same way in the same process. tract's profile of one
   decode and one prefill call names every op it runs on the CPU (not Cuda*/Gpu*/DeviceSync*).
 
-The 0.8B shape is exported twice: the table's choices, and the conv update forced to tract's
-conv op ("conv depthwise", one op instead of the multiply-adds that tract's slice push-up cuts
-in three). ``--baseline FILE ...`` times 0.8B artifacts another revision wrote (same script,
+The 0.8B shape is exported twice: the table's choices (the conv update as tract's conv op,
+"depthwise", one launch), and the conv update forced to the multiply-adds ("conv portable",
+which tract's slice push-up cuts in three; the CUDA choice before 2026-12-06). ``--baseline FILE ...`` times 0.8B artifacts another revision wrote (same script,
 ``prepare_big`` run there) in the same process, after this revision's.
 
 The 0.8B artifact's large weights are a random block of BLOCK values repeated (the tgz then
@@ -47,9 +47,11 @@ PAST = PREFILL = 512
 DECODE_STEPS, PREFILL_RUNS = 24, 3
 BLOCK = 8191  # values repeated in a large weight: 16 KiB of f16, inside deflate's 32 KiB window
 BIG = "qwen35_08b_f16.nnef.tgz"
-# the 0.8B artifacts: the table's choices, and the conv update forced to tract's conv op
+# the 0.8B artifacts: the table's choices (the conv update as tract's conv op, "depthwise"),
+# and the conv update forced to the multiply-adds ("portable", the CUDA choice before 12-06)
 BIGS = {"": (BIG, None),
-        "conv depthwise": ("qwen35_08b_f16.dw.nnef.tgz", {"causal_conv1d_update": "depthwise"})}
+        "conv portable": ("qwen35_08b_f16.portable.nnef.tgz",
+                          {"causal_conv1d_update": "portable"})}
 RUNTIME = "cuda"  # --runtime cpu: a dry run of --run on a machine without a GPU
 
 
@@ -88,8 +90,8 @@ def prepare_tiny(folder: Path) -> dict:
                          folder / f"{family}.split.nnef.tgz", runtime="cuda",
                          choose={"*": "split"})
         export_generator(tiny_model(family, dtype=torch.float16),
-                         folder / f"{family}.dw.nnef.tgz", runtime="cuda",
-                         choose=BIGS["conv depthwise"][1])
+                         folder / f"{family}.portable.nnef.tgz", runtime="cuda",
+                         choose=BIGS["conv portable"][1])
         np.savez(folder / f"{family}.ref.npz", **hf_reference(model, prompt_ids(), NEW_TOKENS))
         entries[family] = files.main.name
     return entries
@@ -179,7 +181,7 @@ def run_tiny(folder: Path, out: Path) -> list:
     from gdn_fx.hf.generator import LOGITS_BOUND, Generator
 
     rows = []
-    for family, variant in [(f, v) for f in FAMILIES for v in ("", ".kv", ".split", ".dw")]:
+    for family, variant in [(f, v) for f in FAMILIES for v in ("", ".kv", ".split", ".portable")]:
         ref = np.load(folder / f"{family}.ref.npz")
         path = folder / f"{family}{variant.replace('.kv', '')}.nnef.tgz"
         if not path.exists():
@@ -287,13 +289,16 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+GPU = "H200"  # the card the table names: run() sets it to the one the run found
+
+
 def table(tract_times: dict, torch_times: dict, label: str = "") -> str:
     kv = ", attention caches in the State" if tract_times.get("kv_in_state") else ""
     kv += f" ({tract_times['transform']})" if tract_times.get("transform") else ""
     kv += f", {label}" if label else ""
     rows = [(f"tract CUDA, gdn-fx generator artifact (f16){kv}", tract_times),
             ("torch eager, transformers (f16)", torch_times)]
-    lines = [f"| engine (Qwen3.5-0.8B shape, H200) | decode ms/token at P = {PAST} | "
+    lines = [f"| engine (Qwen3.5-0.8B shape, {GPU}) | decode ms/token at P = {PAST} | "
              f"prefill {PREFILL} tokens, ms (best / median of {PREFILL_RUNS}) |",
              "|---|---|---|"]
     for name, t in rows:
@@ -318,7 +323,9 @@ def run(folder: Path, out: Path, parts: set, baselines: tuple = ()) -> None:
     """The parts asked for, on the artifacts of ``folder``; ``baselines``: more 0.8B
     artifacts (another revision's) timed in the same process after this revision's."""
     out.mkdir(parents=True, exist_ok=True)
+    global GPU
     found = dict(gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    GPU = found["gpu"] or "no GPU"
     if "tiny" in parts:
         found["tiny"] = guarded(run_tiny, folder, out)
     if "big" in parts and (folder / BIG).exists():

@@ -36,7 +36,8 @@ with f32 gate and state; figures in bench/RESULTS.md):
   "matmul", "scan"; the native operator outside its kernel's limits) is DEMOTED: it is taken
   only when nothing that stays on the GPU accepts the node, and the decision says so (logged
   as a warning, kept in ``Decision.note`` and in the NNEF property "gdn_fx_cpu_fallback").
-The conv update keeps the CPU order on CUDA (not measured there).
+The conv update under CUDA: "depthwise" at every S (tract's CudaConv, one launch; the
+multiply-adds are cut in three by tract's slice push-up; bench/bench_cuda_generate.py).
 """
 
 from __future__ import annotations

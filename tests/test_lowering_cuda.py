@@ -101,6 +101,18 @@ def test_demoted_decision_is_logged_as_a_warning(caplog):
     assert len(warnings) == 1 and CPU_LOOP in warnings[0].getMessage()
 
 
+@pytest.mark.parametrize("s, dynamic", [(None, True), (1, False), (512, False)])
+def test_conv_update_takes_tracts_conv_under_cuda_at_every_length(s, dynamic):
+    # measured on the whole 0.8B-shaped generator (H100, bench/bench_cuda_generate.py):
+    # decode 11.3 ms with "depthwise" against 12.9 with "portable" (one launch against the
+    # multiply-adds tract cuts in three); the CPU keeps "portable" for S = 1 and symbolic S
+    from test_lowering_table import conv
+
+    assert decide(conv(c=64, s=s), cuda(dynamic)).candidate == "depthwise"
+    cpu = Target.parse("0.23.9", dynamic)
+    assert decide(conv(c=64, s=s), cpu).candidate == ("depthwise" if s == 512 else "portable")
+
+
 @pytest.mark.parametrize("s, expected", [(1, "matmul_step"), (512, "chunked_unrolled"),
                                          (4096, "chunked")])
 def test_cpu_runtime_keeps_its_order(s, expected):
