@@ -77,17 +77,18 @@ def chunk_size(seq: int) -> int:
     return size
 
 
-def constants(chunk: int, leaf: int) -> dict[str, np.ndarray]:
-    """The masks and helpers the text reads, at the rank of the tensors they meet."""
+def constants(chunk: int, leaf: int, rank: int = text.RANK) -> dict[str, np.ndarray]:
+    """The masks and helpers the text reads, at the rank of the tensors they meet (``rank``:
+    text.FLAT_RANK for the text without the G axis)."""
     upper = np.triu(np.ones((chunk, chunk)))
     width = min(chunk, leaf)
-    rank = text.leaf_rank(chunk, leaf)
-    square = (1, 1, 1, chunk, chunk)
+    leaves = text.leaf_rank(chunk, leaf, rank)
+    square = (1,) * (rank - 2) + (chunk, chunk)
     return {"cum": upper.reshape(square),  # row @ cum = running sums
             "neg": np.where(np.triu(np.ones((chunk, chunk)), 1) > 0, -np.inf,
                             0.0).reshape(square),
             "strict": np.tril(np.ones((chunk, chunk)), -1).reshape(square),
-            "eyeh": np.eye(width).reshape((1,) * (rank - 2) + (width, width)),
+            "eyeh": np.eye(width).reshape((1,) * (leaves - 2) + (width, width)),
             "eyec": np.eye(chunk).reshape(square),
             "zero4": np.zeros((1, 1, 1, 1)),
             "zero3": np.zeros((1, 1, 1))}

@@ -37,6 +37,21 @@ CHUNK_INPUTS = ("q", "rq", "k", "v", "e", "tt", "br", "egc", "egr", "rk", "rkr",
 CHUNK_SOURCES = ("qq", "rqq", "kk", "vv", "e", "tt", "br", "egc", "egr", "rk", "rkr", "r", "ac")
 CONSTANTS = ("cum", "neg", "strict", "eyeh", "eyec", "zero4", "zero3", "scale")
 RANK = 5  # [n chunks, B*Hk, G or 1, rows, columns]
+FLAT_RANK = 4  # [n chunks, B*Hv, rows, columns]: no G axis (``flat``, where G = 1)
+
+
+def flat_layout(facts: ScanFacts, flat: bool) -> bool:
+    """Whether the text is written without the G axis: asked for (``flat``) and one value head
+    per key head. Asked for by "split", whose chunk loop body holds the prologue: tract
+    0.23.9's Scan declutter tries an axis removal for every unit axis of every body node at
+    every pass (docs/FACTS.md), and a unit G axis on every tensor made up most of the load
+    time of its body."""
+    return flat and facts.groups == 1
+
+
+def _last_two(rank: int) -> str:
+    """The permutation that swaps the last two of ``rank`` axes."""
+    return str(list(range(rank - 2)) + [rank - 1, rank - 2])
 
 
 def inverse_lines(source: str, result: str, size: int, eye: str, tag: str) -> list[str]:
@@ -79,24 +94,24 @@ def block_inverse_lines(source: str, result: str, size: int, rank: int, leaf: in
             f" concat([{tag}x21, {tag}t22], axis = {cols})], axis = {rows});"]
 
 
-def leaf_rank(chunk: int, leaf: int) -> int:
-    """Rank of the leaf blocks (and of the ``eyeh`` constant): RANK plus one per halving."""
-    rank = RANK
+def leaf_rank(chunk: int, leaf: int, rank: int = RANK) -> int:
+    """Rank of the leaf blocks (and of the ``eyeh`` constant): ``rank`` plus one per halving."""
     while chunk > leaf:
         chunk, rank = chunk // 2, rank + 1
     return rank
 
 
-def inverse_part_lines(chunk: int, leaf: int) -> list[str]:
-    """For every chunk at once (rank-5 tensors): 1/|k| from the diagonal of k k^T, the pair
-    decays E and T = (I + A)^-1. Batched over chunks: these many small ops then run once."""
+def inverse_part_lines(chunk: int, leaf: int, rank: int = RANK) -> list[str]:
+    """For every chunk at once (tensors of ``rank``): 1/|k| from the diagonal of k k^T, the
+    pair decays E and T = (I + A)^-1. Batched over chunks: these many small ops then run
+    once."""
     eps = common.literal(common.L2NORM_EPS)
     return ["kkt = matmul(kk, kk, transposeB = true);",
-            f"rk = rsqrt(add(sum_reduce(mul(kkt, eyec), axes = [4]), {eps}));",
-            "rkr = transpose(rk, axes = [0, 1, 2, 4, 3]);",
+            f"rk = rsqrt(add(sum_reduce(mul(kkt, eyec), axes = [{rank - 1}]), {eps}));",
+            f"rkr = transpose(rk, axes = {_last_two(rank)});",
             "e = exp(add(sub(gc, gr), neg));",
             "a = mul(mul(kkt, mul(e, strict)), mul(bc, mul(rk, rkr)));",
-            *block_inverse_lines("a", "tt", chunk, RANK, leaf)]
+            *block_inverse_lines("a", "tt", chunk, rank, leaf)]
 
 
 def chunk_lines() -> list[str]:
@@ -113,9 +128,15 @@ def chunk_lines() -> list[str]:
             " matmul(k, mul(mul(r, rk), d), transposeA = true));"]
 
 
-def _heads_first(name: str, source: str, rank_tail: int, facts: ScanFacts) -> str:
-    """[B, n, C, H, ...] -> [n, B*Hk, G or 1, C, ...] (the value-side split when G given)."""
+def _heads_first(name: str, source: str, rank_tail: int, facts: ScanFacts,
+                 flat: bool = False) -> str:
+    """[B, n, C, H, ...] -> [n, B*Hk, G or 1, C, ...] (the value-side split when G given);
+    ``flat`` (G = 1): [n, B*H, C, ...]."""
     hk, g = facts.key_heads, facts.groups
+    if flat:
+        axes = "[1, 0, 3, 2]" if rank_tail == 3 else "[1, 0, 3, 2, 4]"
+        return (f"{name} = reshape(transpose({source}, axes = {axes}), shape = [-1],"
+                " axis_start = 1, axis_count = 2);")
     if rank_tail == 1:  # q, k: [B, n, C, Hk, Dk]
         return (f"{name} = unsqueeze(reshape(transpose({source}, axes = [1, 0, 3, 2, 4]),"
                 " shape = [-1], axis_start = 1, axis_count = 2), axes = [2]);")
@@ -135,9 +156,13 @@ def _padded(name: str, source: str, pad: str, tail: str, zero: str, chunk: int) 
     return [f"{name} = reshape({padded}, shape = [-1, {chunk}], axis_start = 1, axis_count = 1);"]
 
 
-def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str) -> list[str]:
-    """Prologue: normalize/scale, pad, chunk and lay out every operand; the gate terms."""
+def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
+                  flat: bool = False) -> list[str]:
+    """Prologue: normalize/scale, pad, chunk and lay out every operand; the gate terms.
+    ``flat``: without the G axis where G = 1 (``flat_layout``)."""
     hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
+    flat = flat_layout(facts, flat)
+    rank = FLAT_RANK if flat else RANK
     lines = common.dims_lines() + [
         f"rqs = mul(rsqrt(add(sum_reduce(mul(q, q), axes = [3]), "
         f"{common.literal(common.L2NORM_EPS)})), scale);"]
@@ -148,27 +173,36 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str) -> list[s
                                      ("gp", "g", f", {hv}", "zero3"),
                                      ("bp", "beta", f", {hv}", "zero3")):
         lines += _padded(name, source, pad, tail, zero, chunk)
-    lines += [_heads_first("qq", "qp", 1, facts), _heads_first("rqq", "rqp", 1, facts),
-              _heads_first("kk", "kp", 1, facts),
-              _heads_first("vv", "vp", 2, facts), _heads_first("gg", "gp", 3, facts),
-              _heads_first("bb", "bp", 3, facts)]
+    lines += [_heads_first(name, source, tail, facts, flat) for name, source, tail in
+              (("qq", "qp", 1), ("rqq", "rqp", 1), ("kk", "kp", 1), ("vv", "vp", 2),
+               ("gg", "gp", 3), ("bb", "bp", 3))]
+    rows, cols = rank - 2, rank - 1
+    state = ("reshape(s0, shape = [-1], axis_start = 0, axis_count = 2)" if flat else
+             f"reshape(s0, shape = [-1, {facts.groups}], axis_start = 0, axis_count = 2)")
     return lines + [
-        "gr = matmul(unsqueeze(gg, axes = [3]), cum);",  # cumulative sums, as rows
-        "gc = transpose(gr, axes = [0, 1, 2, 4, 3]);",
-        "br = unsqueeze(bb, axes = [3]);",
-        "bc = unsqueeze(bb, axes = [4]);",
+        f"gr = matmul(unsqueeze(gg, axes = [{rows}]), cum);",  # cumulative sums, as rows
+        f"gc = transpose(gr, axes = {_last_two(rank)});",
+        f"br = unsqueeze(bb, axes = [{rows}]);",
+        f"bc = unsqueeze(bb, axes = [{cols}]);",
         "egr = exp(gr);",
         "egc = exp(gc);",
-        f"glast = slice(gc, axes = [3], begin = [{chunk - 1}], end = [{chunk}]);",
+        f"glast = slice(gc, axes = [{rows}], begin = [{chunk - 1}], end = [{chunk}]);",
         "r = exp(sub(glast, gc));",
         "ac = exp(glast);",
-        f"st0 = reshape(s0, shape = [-1, {facts.groups}], axis_start = 0, axis_count = 2);"]
+        f"st0 = {state};"]
 
 
-def finish_lines(facts: ScanFacts, fin: str = "fin") -> list[str]:
+def finish_lines(facts: ScanFacts, fin: str = "fin", flat: bool = False) -> list[str]:
     """Chunk outputs [n, M, G, C, Dv] back to [B, S, Hv, Dv]; the final state ``fin`` to the
-    contract."""
+    contract (``flat`` as ``prepare_lines`` was given)."""
     hk = facts.key_heads
+    if flat_layout(facts, flat):  # [n, B*Hv, C, Dv], state [B*Hv, Dk, Dv]
+        return [f"o5 = transpose(reshape(oo, shape = [-1, {hk}], axis_start = 1,"
+                " axis_count = 1), axes = [1, 0, 3, 2, 4]);",
+                "o4 = reshape(o5, shape = [-1], axis_start = 1, axis_count = 2);",
+                "out = slice(o4, axes = [1], begin = [0], end = [n]);",
+                f"final = reshape({fin}, shape = [-1, {facts.value_heads}], axis_start = 0,"
+                " axis_count = 1);"]
     return [f"o6 = transpose(reshape(oo, shape = [-1, {hk}], axis_start = 1, axis_count = 1),"
             " axes = [1, 0, 4, 2, 3, 5]);",
             "o4 = reshape(reshape(o6, shape = [-1], axis_start = 1, axis_count = 2),"

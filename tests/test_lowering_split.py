@@ -69,6 +69,9 @@ def test_zero_iterations_need_the_guard(tmp_path):
 
 FEATURES = {  # name: (scan_inputs kwargs, scale, tolerance)
     "gqa_dk_ne_dv": (dict(groups=2, dk=8, dv=24), 0.4, 1e-4),
+    # G = 1: the text has no G axis (gdn_chunked_text.flat_layout)
+    "odd_key_heads": (dict(hk=3), 0.25, 1e-4),
+    "four_key_heads_dk_ne_dv": (dict(hk=4, dk=8, dv=24), 0.4, 1e-4),
     "f16_f32state": (dict(dtype=F16), 0.25, 1e-4),
     "f16_f16state": (dict(dtype=F16, state_dtype=F16), 0.25, 1e-3),
     "f16_gate": (dict(dtype=F16, gate_dtype=F16), 0.25, 1e-4),
@@ -89,9 +92,11 @@ def test_features(case, tmp_path):
                                  tolerance))
 
 
-def test_symbolic_batch_and_sequence(tmp_path):
+@pytest.mark.parametrize("groups", [1, 2])
+def test_symbolic_batch_and_sequence(groups, tmp_path):
+    """B > 1 meets the heads in one axis (B * Hk; with G = 1 the text has no G axis)."""
     module = Fused(0.25)
-    shape = dict(hk=2, dk=16, dv=16, groups=2)
+    shape = dict(hk=2, dk=16, dv=16, groups=groups)
     axes = {name: {0: "B", 1: "S"} for name in SCAN_NAMES[:5]}
     axes["s0"] = {0: "B"}
     written = _split(module, scan_inputs(s=4, b=2, **shape), tmp_path / "bs.nnef", axes)
