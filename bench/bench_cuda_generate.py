@@ -13,7 +13,8 @@ Two parts, in one run on the GPU machine:
 
 The 0.8B shape is exported twice: the table's choices (the conv update as tract's conv op,
 "depthwise", one launch), and the conv update forced to the multiply-adds ("conv portable",
-which tract's slice push-up cuts in three; the CUDA choice before 2026-12-06). ``--baseline FILE ...`` times 0.8B artifacts another revision wrote (same script,
+which tract's slice push-up cuts in three; the CUDA choice before 2026-12-06).
+``--baseline FILE ...`` times 0.8B artifacts another revision wrote (same script,
 ``prepare_big`` run there) in the same process, after this revision's.
 
 The 0.8B artifact's large weights are a random block of BLOCK values repeated (the tgz then

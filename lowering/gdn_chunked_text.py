@@ -49,6 +49,11 @@ def flat_layout(facts: ScanFacts, flat: bool) -> bool:
     return flat and facts.groups == 1
 
 
+def layout_rank(facts: ScanFacts, flat: bool) -> int:
+    """The rank of the laid-out tensors: FLAT_RANK without the G axis, else RANK."""
+    return FLAT_RANK if flat_layout(facts, flat) else RANK
+
+
 def _last_two(rank: int) -> str:
     """The permutation that swaps the last two of ``rank`` axes."""
     return str(list(range(rank - 2)) + [rank - 1, rank - 2])
@@ -161,8 +166,8 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
     """Prologue: normalize/scale, pad, chunk and lay out every operand; the gate terms.
     ``flat``: without the G axis where G = 1 (``flat_layout``)."""
     hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
-    flat = flat_layout(facts, flat)
-    rank = FLAT_RANK if flat else RANK
+    rank = layout_rank(facts, flat)
+    flat = rank == FLAT_RANK
     lines = common.dims_lines() + [
         f"rqs = mul(rsqrt(add(sum_reduce(mul(q, q), axes = [3]), "
         f"{common.literal(common.L2NORM_EPS)})), scale);"]

@@ -83,19 +83,14 @@ def suits(facts: ScanFacts, target: Target) -> Optional[str]:
 BODY_PARAMS = ["s0", *OPERANDS, *text.CONSTANTS]
 
 
-def _rank(facts: ScanFacts) -> int:
-    """The rank of the chunk loop body's tensors: without the G axis where G = 1 (tract's load
-    time, gdn_chunked_text.flat_layout)."""
-    return text.FLAT_RANK if text.flat_layout(facts, True) else text.RANK
-
-
 def body_lines(facts: ScanFacts, suffix: str) -> list[str]:
     """One iteration of the chunk loop: W = 64 raw tokens [B, W, ...] and the state entering
     them (contract layout) -> their output [B, W, Hv, Dv], the state leaving them, and that
-    state again with a leading axis (the loop's per-iteration ``full`` output)."""
-    chunk = gdn_chunked.SCAN_CHUNK
+    state again with a leading axis (the loop's per-iteration ``full`` output). Written
+    without the G axis where G = 1 (tract's load time: gdn_chunked_text.flat_layout)."""
+    chunk, rank = gdn_chunked.SCAN_CHUNK, text.layout_rank(facts, True)
     return (text.prepare_lines(facts, chunk, "0", suffix, flat=True)
-            + text.inverse_part_lines(chunk, gdn_chunked.LEAF, _rank(facts))
+            + text.inverse_part_lines(chunk, gdn_chunked.LEAF, rank)
             + text.unrolled_loop_lines(gdn_chunked.SCAN_CHUNKS_PER_STEP, suffix)
             + text.finish_lines(facts, "fin", flat=True)
             + ["states = unsqueeze(final, axes = [0]);"])
@@ -156,7 +151,8 @@ def emit(ctx: EmitContext) -> list:
     facts = ctx.facts
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work)
-    values = gdn_chunked.constants(gdn_chunked.SCAN_CHUNK, gdn_chunked.LEAF, _rank(facts))
+    values = gdn_chunked.constants(gdn_chunked.SCAN_CHUNK, gdn_chunked.LEAF,
+                                   text.layout_rank(facts, True))
     consts = [common.scale_variable(ctx, work) if name == "scale" else
               common.variable(ctx, name, values[name], work) for name in text.CONSTANTS]
     name, frag = common.fragment("gdn_fx_split", lambda suffix: definitions(facts, suffix))
