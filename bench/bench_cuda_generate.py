@@ -11,9 +11,12 @@ Two parts, in one run on the GPU machine:
   the same shape, on the GPU) timed the same way in the same process. tract's profile of one
   decode and one prefill call names every op it runs on the CPU (not Cuda*/Gpu*/DeviceSync*).
 
-The 0.8B shape is exported twice: the table's choices (the conv update as tract's conv op,
-"depthwise", one launch), and the conv update forced to the multiply-adds ("conv portable",
-which tract's slice push-up cuts in three; the CUDA choice before 2026-12-06).
+The 0.8B shape is exported as the table's choices (the conv update as tract's conv op,
+"depthwise", one launch), with ``--big-portable`` also with the conv update forced to the
+multiply-adds ("conv portable", which tract's slice push-up cuts in three; the CUDA choice
+before 2026-12-06), and as the main / decode pair ("pair": the main graph's scans "chunked_window", the batched chunks of a 512-token
+window; the S = 1 decode graph beside it keeps the native kernel). Prefill is timed at PREFILL
+and at SHORT tokens, each in one call.
 ``--baseline FILE ...`` times 0.8B artifacts another revision wrote (same script,
 ``prepare_big`` run there) in the same process, after this revision's.
 
@@ -48,11 +51,16 @@ PAST = PREFILL = 512
 DECODE_STEPS, PREFILL_RUNS = 24, 3
 BLOCK = 8191  # values repeated in a large weight: 16 KiB of f16, inside deflate's 32 KiB window
 BIG = "qwen35_08b_f16.nnef.tgz"
+# the main / decode pair: the main graph's scans "chunked_window" (prefill), the decode
+# graph beside it (the S = 1 program: the native kernel)
+PAIR = "qwen35_08b_f16.pair.nnef.tgz"
+SHORT = 128  # a shorter prompt, prefilled in one call too
 # the 0.8B artifacts: the table's choices (the conv update as tract's conv op, "depthwise"),
 # and the conv update forced to the multiply-adds ("portable", the CUDA choice before 12-06)
-BIGS = {"": (BIG, None),
-        "conv portable": ("qwen35_08b_f16.portable.nnef.tgz",
-                          {"causal_conv1d_update": "portable"})}
+PORTABLE = {"causal_conv1d_update": "portable"}  # the conv update's CUDA choice before 12-06
+# the 0.8B artifacts timed side by side (--big-portable adds "conv portable": four archives
+# with the wheel overflow the 64 MiB a device call carries)
+BIGS = {"": (BIG, None), "pair": (PAIR, None)}
 RUNTIME = "cuda"  # --runtime cpu: a dry run of --run on a machine without a GPU
 
 
@@ -92,7 +100,9 @@ def prepare_tiny(folder: Path) -> dict:
                          choose={"*": "split"})
         export_generator(tiny_model(family, dtype=torch.float16),
                          folder / f"{family}.portable.nnef.tgz", runtime="cuda",
-                         choose=BIGS["conv portable"][1])
+                         choose=PORTABLE)
+        export_generator(tiny_model(family, dtype=torch.float16),  # "chunked_window" + decode
+                         folder / f"{family}.pair.nnef.tgz", runtime="cuda", decode=True)
         np.savez(folder / f"{family}.ref.npz", **hf_reference(model, prompt_ids(), NEW_TOKENS))
         entries[family] = files.main.name
     return entries
@@ -119,8 +129,10 @@ def prepare_big(folder: Path) -> list:
     model = tiny_model("qwen3_5", dtype=torch.float16, **SHAPE)
     patterned(model)
     for name, choose in BIGS.values():
-        export_generator(model, folder / name, runtime="cuda", choose=choose, say=print)
-        recompress(folder / name)
+        files = export_generator(model, folder / name, runtime="cuda", choose=choose,
+                                 decode=name == PAIR, say=print)
+        for path in filter(None, (files.main, files.decode)):
+            recompress(path)
     return [name for name, _ in BIGS.values()]
 
 
@@ -182,13 +194,14 @@ def run_tiny(folder: Path, out: Path) -> list:
     from gdn_fx.hf.generator import LOGITS_BOUND, Generator
 
     rows = []
-    for family, variant in [(f, v) for f in FAMILIES for v in ("", ".kv", ".split", ".portable")]:
+    for family, variant in [(f, v) for f in FAMILIES
+                            for v in ("", ".kv", ".split", ".portable", ".pair")]:
         ref = np.load(folder / f"{family}.ref.npz")
         path = folder / f"{family}{variant.replace('.kv', '')}.nnef.tgz"
         if not path.exists():
             continue
         start = time.perf_counter()
-        gen = Generator(path, runtime=RUNTIME, kv_in_state=variant == ".kv")
+        gen = Generator.open(path, runtime=RUNTIME, kv_in_state=variant == ".kv")
         load = time.perf_counter() - start
         try:
             result = gen.generate(ref["prompt"].tolist(), NEW_TOKENS)
@@ -225,15 +238,21 @@ def time_tract(path: Path, kv_in_state: bool = False, transform: str = "") -> di
 
     kept = generator.KV_IN_STATE
     generator.KV_IN_STATE = transform or kept
+    free = device_free()
     try:
         start = time.perf_counter()
-        gen = Generator(path, runtime=RUNTIME, prefill_chunk=None, kv_in_state=kv_in_state)
+        gen = Generator.open(path, runtime=RUNTIME, prefill_chunk=None,
+                             kv_in_state=kv_in_state)
     finally:
         generator.KV_IN_STATE = kept
     load = time.perf_counter() - start
+    held = (free - device_free()) / 1e9  # GPU memory the loaded graphs hold
     ids = (np.arange(PREFILL, dtype=np.int64)[None] % 1000) + 3
-    runs = []
+    runs, short = [], []
     for _ in range(PREFILL_RUNS):
+        start = time.perf_counter()
+        gen.step(gen.main, ids[:, :SHORT], [z.copy() for z in gen.zero_states])
+        short.append(time.perf_counter() - start)
         start = time.perf_counter()
         logits, caches = gen.step(gen.main, ids, [z.copy() for z in gen.zero_states])
         runs.append(time.perf_counter() - start)
@@ -250,8 +269,10 @@ def time_tract(path: Path, kv_in_state: bool = False, transform: str = "") -> di
                    prefill=guarded(kernel_time, lambda: gen.step(
                        gen.main, ids, [z.copy() for z in gen.zero_states])))
     return dict(kv_in_state=kv_in_state, transform=transform, kernels=kernels, load_s=load, prefill_s=min(runs), prefill_median_s=statistics.median(runs),
+                short_s=min(short),
                 decode_s=statistics.median(steps[1:]), finite=bool(np.isfinite(logits).all()),
-                decode_profile=op_split(runnable, [token, *caches]),
+                device_gb=held, decode_profile=op_split(gen.decode_graph.runnable,
+                                                        [token, *caches]),
                 prefill_profile=op_split(runnable, [ids, *gen.zero_states]))
 
 
@@ -265,10 +286,14 @@ def time_torch() -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("qwen3_5", dtype=torch.float16, **SHAPE).to(device)
     ids = ((torch.arange(PREFILL) % 1000) + 3)[None].to(device)
-    runs, steps = [], []
+    runs, steps, short = [], [], []
     with torch.no_grad():
         for _ in range(PREFILL_RUNS):  # the model makes its own (hybrid) cache
             sync()
+            start = time.perf_counter()
+            model(input_ids=ids[:, :SHORT], use_cache=True, logits_to_keep=1)
+            sync()
+            short.append(time.perf_counter() - start)
             start = time.perf_counter()
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             sync()
@@ -282,7 +307,12 @@ def time_torch() -> dict:
             sync()
             steps.append(time.perf_counter() - start)
     return dict(prefill_s=min(runs), prefill_median_s=statistics.median(runs),
-                decode_s=statistics.median(steps[1:]))
+                short_s=min(short), decode_s=statistics.median(steps[1:]))
+
+
+def device_free() -> float:
+    """Free bytes on the GPU (the whole device's: tract's allocations count), 0 without one."""
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0.0
 
 
 def sync() -> None:
@@ -300,12 +330,13 @@ def table(tract_times: dict, torch_times: dict, label: str = "") -> str:
     rows = [(f"tract CUDA, gdn-fx generator artifact (f16){kv}", tract_times),
             ("torch eager, transformers (f16)", torch_times)]
     lines = [f"| engine (Qwen3.5-0.8B shape, {GPU}) | decode ms/token at P = {PAST} | "
-             f"prefill {PREFILL} tokens, ms (best / median of {PREFILL_RUNS}) |",
-             "|---|---|---|"]
+             f"prefill {PREFILL} tokens, ms (best / median of {PREFILL_RUNS}) | "
+             f"prefill {SHORT} tokens, ms (best) |",
+             "|---|---|---|---|"]
     for name, t in rows:
         if "decode_s" in t:
             lines.append(f"| {name} | {t['decode_s'] * 1e3:.2f} | {t['prefill_s'] * 1e3:.1f} / "
-                         f"{t['prefill_median_s'] * 1e3:.1f} |")
+                         f"{t['prefill_median_s'] * 1e3:.1f} | {t.get('short_s', 0) * 1e3:.1f} |")
         else:
             lines.append(f"| {name} | failed: {t.get('error', '?')[:200]} | |")
     return "\n".join(lines)
@@ -348,7 +379,7 @@ def run(folder: Path, out: Path, parts: set, baselines: tuple = ()) -> None:
         print(table(found["detect_all"], found.get("torch", {})), flush=True)
     (out / "results.json").write_text(json.dumps(found, indent=1, default=str))
     timed = ["tract", "kv_on_device", "detect_all", *[k for k in found if k.startswith(
-        ("conv", "baseline"))]]
+        ("conv", "baseline", "pair"))]]
     for key in timed:
         for phase in ("decode_profile", "prefill_profile"):
             profile = found.get(key, {}).get(phase)
@@ -364,13 +395,17 @@ def run(folder: Path, out: Path, parts: set, baselines: tuple = ()) -> None:
                       f"cpu ops: {ops}", flush=True)
     for key in timed:
         if "kernels" in found.get(key, {}):
-            print(f"{key} GPU work per call (CUPTI):", found[key]["kernels"], flush=True)
+            print(f"{key} GPU work per call (CUPTI):", found[key]["kernels"],
+                  f"load {found[key]['load_s']:.1f} s, GPU memory held "
+                  f"{found[key]['device_gb']:.2f} GB", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prepare", type=Path, help="write the artifacts into this folder")
     parser.add_argument("--tiny-only", action="store_true", help="with --prepare: no 0.8B")
+    parser.add_argument("--big-portable", action="store_true",
+                        help="with --prepare: also the 0.8B with the conv update 'portable'")
     parser.add_argument("--run", type=Path, help="run the artifacts of this folder (GPU)")
     parser.add_argument("--out", type=Path, default=Path("out/cuda_generate"))
     parser.add_argument("--baseline", type=Path, nargs="*", default=[],
@@ -379,6 +414,8 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["tiny", "big", "kv"],
                         choices=["tiny", "big", "kv"])
     args = parser.parse_args()
+    if args.big_portable:
+        BIGS["conv portable"] = ("qwen35_08b_f16.portable.nnef.tgz", PORTABLE)
     if args.prepare:
         args.prepare.mkdir(parents=True, exist_ok=True)
         manifest = dict(tiny=prepare_tiny(args.prepare))

@@ -86,7 +86,7 @@ class TractSession:
         """The logits [vocab] after ``prompt`` from zero caches; the lengths the whole run
         reaches are checked against the graphs' bounds first (one-line UsageError)."""
         gen = self.generator
-        ids = gen.check_ids(np.array([prompt], dtype=np.int64))
+        ids = gen.check_ids(np.array([prompt], dtype=np.int64), prompt=True)
         gen.check_lengths({"P": max(0, len(prompt) + max_new_tokens - 2)})  # the last past
         logits, self.caches = gen.prefill(ids, [z.copy() for z in gen.zero_states])
         return logits[0]

@@ -208,14 +208,16 @@ def output_lines() -> list[str]:
 
 
 def definitions(facts: ScanFacts, chunk: int, chunks: int, suffix: str,
-                leaf: int = LEAF) -> str:
-    """The one fragment of a node configuration (static S: ``chunks`` chunks of ``chunk``)."""
-    pad = str(chunks * chunk - facts.seq)
+                leaf: int = LEAF, pad: Optional[str] = None,
+                base: str = "gdn_fx_chunked_parallel") -> str:
+    """The one fragment of a node configuration: ``chunks`` chunks of ``chunk``, the tokens
+    zero-padded by ``pad`` (NNEF text; default: the static S up to whole chunks)."""
+    pad = pad or str(chunks * chunk - facts.seq)
     main = (text.prepare_lines(facts, chunk, pad, suffix) + chunk_terms_lines(facts)
             + [line.replace("{n}", str(chunks)) for line in inverse_lines(facts, chunk, leaf)]
             + map_lines() + pass_lines(facts, chunks) + output_lines()
             + text.finish_lines(facts))
-    return common.fragment_text(f"gdn_fx_chunked_parallel{suffix}",
+    return common.fragment_text(f"{base}{suffix}",
                                 ["q", "k", "v", "g", "beta", "s0",
                                  *constant_names(chunk, leaf)],
                                 ["out", "final"], main)
@@ -250,9 +252,53 @@ def constants(facts: ScanFacts, chunk: int, leaf: int = LEAF) -> dict[str, np.nd
 
 def emit(ctx: EmitContext) -> list:
     """Write the batched chunks for one node (static S); returns the fragments it needs."""
+    chunk = chunk_for(ctx.facts.seq)
+    return _emit(ctx, chunk, -(-ctx.facts.seq // chunk), None, "gdn_fx_chunked_parallel")
+
+
+# --- "chunked_window": a symbolic S of at most WINDOW tokens, padded to the window ----------
+
+WINDOW = 512  # tokens one call may take; the whole window is computed at every S
+
+
+def check_window(facts: ScanFacts, target: Target) -> Optional[str]:
+    """Why the window can not serve this node (None: it can): a static batch (the state pass
+    is written per head), at most WINDOW tokens where S is static, the chunked form's
+    conditions."""
+    if facts.batch is None:
+        return "the window's state pass is written per head: it needs a static batch"
+    if facts.seq is not None and facts.seq > WINDOW:
+        return f"S={facts.seq} exceeds the window of {WINDOW} tokens"
+    return gdn_chunked.shared_reason(facts)
+
+
+def suits_window(facts: ScanFacts, target: Target) -> Optional[str]:
+    """Measured for a pair's main graph under CUDA (bench/bench_cuda_generate.py): every call
+    computes the whole window, so a graph that also serves decode (S = 1) keeps the native
+    kernel, and a static S the chunks of its own length. (Not a ``check``: at emission the
+    facts are the traced tensors', S static there.)"""
+    if not target.dynamic and facts.seq is not None:
+        return f"static S={facts.seq}: 'chunked_parallel' writes the chunks of that S"
+    if target.runtime != "cuda":
+        return ("written for the CUDA runtime: on the CPU 'split' runs a symbolic S at the "
+                "cost of its own length")
+    if target.serves_decode:
+        return (f"the graph serves decode: each one-token call would compute the whole "
+                f"window of {WINDOW} tokens (a main / decode pair's main graph takes it)")
+    return None
+
+
+def emit_window(ctx: EmitContext) -> list:
+    """Write the window for one node: the tokens zero-padded to WINDOW (beta, k and the log
+    decay 0: the state passes padded tokens unchanged), the batched chunks of WINDOW, the
+    output cut back to S. More than WINDOW tokens make the pad's length negative: tract then
+    fails the call ("tensor shape ... is too large"), nothing is computed wrong."""
+    chunk = chunk_for(WINDOW)
+    return _emit(ctx, chunk, WINDOW // chunk, f"{WINDOW} - n", "gdn_fx_chunked_window")
+
+
+def _emit(ctx: EmitContext, chunk: int, chunks: int, pad: Optional[str], base: str) -> list:
     facts = ctx.facts
-    chunk = chunk_for(facts.seq)
-    chunks = -(-facts.seq // chunk)
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work)
     leaf = LEAF
@@ -261,8 +307,7 @@ def emit(ctx: EmitContext) -> list:
               common.variable(ctx, name, values[name], work)
               for name in constant_names(chunk, leaf)]
     name, frag = common.fragment(
-        "gdn_fx_chunked_parallel",
-        lambda suffix: definitions(facts, chunk, chunks, suffix, leaf))
+        base, lambda suffix: definitions(facts, chunk, chunks, suffix, leaf, pad, base))
     out = ctx.tensor("out", facts.shapes["v"], work)
     final = ctx.tensor("final_state", facts.shapes["initial_state"], work)
     ctx.apply_multi(name, operands + consts, (out, final))

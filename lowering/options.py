@@ -35,7 +35,9 @@ class ExportOptions:
     runtime: the tract runtime it is lowered for, "cpu" or "cuda";
     choose: candidates forced or forbidden (``gdn_fx.export_nnef``; lowering/choice.py);
     tract_version: the tract release it is written for;
-    symbol_min: {symbol: lower bound} declared to tract (every other symbol is >= 1).
+    symbol_min: {symbol: lower bound} declared to tract (every other symbol is >= 1);
+    serves_decode: False for a graph that never runs decode's one-token calls (a main /
+    decode pair's main graph, ``export_generator(decode=True)``; lowering/target.py).
     Checked when made: a value no route takes is one UsageError.
     """
 
@@ -44,6 +46,7 @@ class ExportOptions:
     choose: Optional[Mapping] = None
     tract_version: str = TRACT_VERSION
     symbol_min: Mapping[str, int] = field(default_factory=dict)
+    serves_decode: bool = True
 
     def __post_init__(self):
         check_format(self.weights)
@@ -62,4 +65,5 @@ class ExportOptions:
         return dataclasses.replace(options or cls(), **fields)
 
     def target(self, dynamic: bool = False) -> Target:
-        return Target.parse(self.tract_version, dynamic=dynamic, runtime=self.runtime)
+        return Target.parse(self.tract_version, dynamic=dynamic, runtime=self.runtime,
+                            serves_decode=self.serves_decode)

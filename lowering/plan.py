@@ -9,7 +9,7 @@ import torch.fx as fx
 from gdn_fx.lowering.choice import Choice, validate
 from gdn_fx.lowering.fx_nodes import Program, fused_nodes, node_facts, source_module
 from gdn_fx.lowering.options import ExportOptions
-from gdn_fx.lowering.table import Decision, candidate_names, decide
+from gdn_fx.lowering.table import Decision, candidate, candidate_names, decide
 from gdn_fx.lowering.target import Target
 
 
@@ -42,3 +42,11 @@ def fallbacks(decisions: list[Decision]) -> str:
     """``node;node``: the nodes whose candidate runs on the CPU under the target's runtime
     (recorded in the NNEF as "gdn_fx_cpu_fallback"; empty when every node stays)."""
     return ";".join(d.node for d in decisions if d.note)
+
+
+def max_tokens(decisions: list[Decision]) -> str:
+    """The most tokens one call of the graph may take, as its candidates are written (the
+    smallest ``window`` among them; recorded in the NNEF as "gdn_fx_max_tokens"; empty when
+    no candidate bounds it)."""
+    windows = [candidate(d.op, d.candidate).window for d in decisions]
+    return str(min(w for w in windows if w)) if any(windows) else ""

@@ -32,6 +32,11 @@ with f32 gate and state; figures in bench/RESULTS.md):
 - static S >= 2: "chunked_parallel" (every chunk's terms at once, the state pass one matmul
   per chunk), where the native kernel does not take the node: from S = 256 the kernel's
   ``suits`` gives way to it (``gdn_native.CUDA_CHUNKED_FROM``);
+- symbolic S in a graph that does not serve decode (a main / decode pair's main graph,
+  ``Target.serves_decode``): "chunked_window", the batched chunks of a fixed window of 512
+  tokens, S zero-padded to it (at most 512 tokens a call: the NNEF says so in
+  "gdn_fx_max_tokens", which the generator reads to cut a prompt); the kernel steps token by
+  token (bench/bench_cuda_generate.py);
 - a candidate whose ops tract runs on the CPU there (every ``tract_core_scan``: "chunked",
   "matmul", "scan"; the native operator outside its kernel's limits) is DEMOTED: it is taken
   only when nothing that stays on the GPU accepts the node, and the decision says so (logged
@@ -71,6 +76,7 @@ class Candidate:
     emit: Callable
     suits: Optional[Callable[[Facts, Target], Optional[str]]] = None
     device: Optional[Callable[[Facts, Target], Optional[str]]] = None
+    window: Optional[int] = None  # the most tokens one call may take (NNEF: gdn_fx_max_tokens)
 
 
 def _on_cpu_under_cuda(facts: Facts, target: Target) -> Optional[str]:
@@ -93,6 +99,9 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
         Candidate("scan", gdn_scan.check, gdn_scan.emit, device=_on_cpu_under_cuda),
         Candidate("chunked_parallel", gdn_chunked_parallel.check, gdn_chunked_parallel.emit,
                   suits=gdn_chunked_parallel.suits),
+        Candidate("chunked_window", gdn_chunked_parallel.check_window,
+                  gdn_chunked_parallel.emit_window, suits=gdn_chunked_parallel.suits_window,
+                  window=gdn_chunked_parallel.WINDOW),
     ),
     "causal_conv1d_update": (  # order measured with bench/bench_conv.py (see above)
         Candidate("depthwise", conv_portable.check, conv_portable.emit_depthwise,
@@ -105,8 +114,8 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
 
 # The order under tract's CUDA runtime (bench/bench_cuda.py on an H200; see above).
 CUDA_ORDER: dict[str, tuple[str, ...]] = {
-    "gated_delta_scan": ("native", "chunked_parallel", "matmul_step", "chunked_unrolled",
-                         "chunked", "split", "matmul", "scan"),
+    "gated_delta_scan": ("chunked_window", "native", "chunked_parallel", "matmul_step",
+                         "chunked_unrolled", "chunked", "split", "matmul", "scan"),
     "causal_conv1d_update": ("depthwise", "portable", "native"),
 }
 

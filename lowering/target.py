@@ -33,6 +33,9 @@ def version_text(version: tuple[int, int, int]) -> str:
 DYNAMIC_ATTRIBUTE = "gdn_fx_dynamic"  # set on a torch-to-nnef target by export_nnef
 RUNTIME_ATTRIBUTE = "gdn_fx_runtime"  # likewise; also the NNEF property naming the runtime
 RUNTIMES = ("cpu", "cuda")
+# NNEF property: the most tokens one call may take (set where a candidate computes a fixed
+# window, lowering/plan.max_tokens; the generator cuts prompts to it)
+MAX_TOKENS = "gdn_fx_max_tokens"
 
 
 def check_runtime(runtime: str) -> str:
@@ -48,20 +51,24 @@ class Target:
 
     ``dynamic`` is True when any input axis is declared symbolic: a lowering then cannot rely
     on the traced extent of an axis (a node traced at S=1 may run at any S). ``runtime`` is
-    "cpu" or "cuda" (the table's order and device checks follow it).
+    "cpu" or "cuda" (the table's order and device checks follow it). ``serves_decode`` is
+    False for a graph that never runs the one-token calls of decode (a main / decode pair's
+    main graph): a candidate slow at S = 1 may then serve its symbolic S.
     """
 
     version: tuple[int, int, int]
     dynamic: bool = False
     runtime: str = "cpu"
+    serves_decode: bool = True
 
     def __post_init__(self):
         check_runtime(self.runtime)
 
     @classmethod
-    def parse(cls, version: str, dynamic: bool = False, runtime: str = "cpu") -> "Target":
+    def parse(cls, version: str, dynamic: bool = False, runtime: str = "cpu",
+              serves_decode: bool = True) -> "Target":
         """Build a target from a version string such as ``"0.23.9"``."""
-        return cls(parse_version(version), dynamic, runtime)
+        return cls(parse_version(version), dynamic, runtime, serves_decode)
 
     def at_least(self, version: str) -> bool:
         """True when this target's tract is ``version`` or newer."""

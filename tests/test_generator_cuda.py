@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,6 +98,42 @@ def test_attention_caches_kept_in_the_state(cuda_export):
         assert found.ok, str(found)
 
 
+@pytest.fixture(scope="module")
+def cuda_pair(tmp_path_factory):
+    """The tiny qwen3_5 (f32) as a main / decode pair for CUDA: (model, files)."""
+    model = tiny_model("qwen3_5")
+    files = export_generator(model, tmp_path_factory.mktemp("pair") / "q.nnef.tgz",
+                             runtime="cuda", decode=True)
+    return model, files
+
+
+def test_pair_main_graph_takes_the_window_and_says_its_bound(cuda_pair):
+    """The pair's main graph never runs decode: its scans are "chunked_window" (no CPU
+    fallback left, where the one graph's symbolic scans of width 16 had one each); the
+    decode graph keeps one step a token. The main graph declares 512 tokens a call."""
+    _, files = cuda_pair
+    scans = {graph: {n: c for n, c in tract_check.read_decisions(graph).items()
+                     if n.startswith("gated_delta_scan")} for graph in (files.main, files.decode)}
+    assert set(scans[files.main].values()) == {"chunked_window"}
+    assert set(scans[files.decode].values()) == {"matmul_step"}
+    assert not tract_check.read_cpu_fallbacks(files.main)
+    gen = Generator.open(files.main)
+    assert gen.main_graph.max_tokens == 512 and gen.prefill_chunk == 512
+    assert Generator.open(files.main, prefill_chunk=None).prefill_chunk == 512
+
+
+def test_pair_generates_past_the_window_in_calls_it_takes(cuda_pair):
+    """A prompt of 700 tokens (two calls: 512 and 188) on the CPU runtime: every token and
+    logit as transformers'; one call of 513 tokens is refused before tract runs."""
+    model, files = cuda_pair
+    gen = Generator.open(files.main)
+    found = check_generation(model, gen.generate(_prompt(700), 8))
+    assert found.ok, str(found)
+    ids = np.array([_prompt(513)], dtype=np.int64)
+    with pytest.raises(UsageError, match=r"S = 513 is outside what .* declares \(S <= 512\)"):
+        gen.step(gen.main, ids, [z.copy() for z in gen.zero_states])
+
+
 def test_kv_in_state_refuses_a_pair(cuda_export):
     with pytest.raises(UsageError, match="kv_in_state .* one graph"):
         Generator(cuda_export[1].main, cuda_export[1].main, kv_in_state=True)
@@ -119,6 +156,18 @@ def test_cuda_generator_generates_what_transformers_generates(tmp_path, family, 
     model = tiny_model(family, dtype=torch.float16)
     files = export_generator(model, tmp_path / "g.nnef.tgz", runtime="cuda")
     generator = Generator(files.main, runtime="cuda", kv_in_state=kv_in_state)
+    result = generator.generate(_prompt(37, 1), 32)
+    found = check_generation(model, result)
+    assert found.ok, str(found)
+
+
+@on_gpu
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_cuda_pair_generates_what_transformers_generates(tmp_path, family):
+    """The main / decode pair (the window's prefill) in f16 on the GPU, likewise."""
+    model = tiny_model(family, dtype=torch.float16)
+    files = export_generator(model, tmp_path / "g.nnef.tgz", runtime="cuda", decode=True)
+    generator = Generator.open(files.main, runtime="cuda")
     result = generator.generate(_prompt(37, 1), 32)
     found = check_generation(model, result)
     assert found.ok, str(found)

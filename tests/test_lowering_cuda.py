@@ -72,6 +72,35 @@ def test_cuda_table(node, dynamic, expected, demoted):
     assert all(name != expected for name, _ in decision.rejected)
 
 
+def prefill_graph(runtime="cuda", dynamic=True) -> Target:
+    """A main / decode pair's main graph: it never runs decode's one-token calls."""
+    return Target.parse("0.23.9", dynamic, runtime=runtime, serves_decode=False)
+
+
+@pytest.mark.parametrize("node, target, expected", [
+    (facts(s=None), prefill_graph(), "chunked_window"),       # the pair's main graph
+    (facts(s=None, dtypes=F32), prefill_graph(), "chunked_window"),  # no CUDA kernel needed
+    (facts(s=None), cuda(True), "native"),                    # one graph serving decode too
+    (facts(s=512), prefill_graph(dynamic=False), "chunked_parallel"),  # static S: its chunks
+    (facts(s=None), prefill_graph("cpu"), "split"),           # the CPU keeps its order
+    (facts(s=None, kda=True), prefill_graph(), "matmul"),     # KDA: the chunked form refuses
+])
+def test_window_serves_a_pair_main_graph_under_cuda(node, target, expected):
+    decision = decide(node, target)
+    print(decision)
+    assert decision.candidate == expected
+
+
+def test_window_refuses_what_it_can_not_compute():
+    from gdn_fx.lowering import gdn_chunked_parallel as cp
+
+    assert "static batch" in cp.check_window(facts(s=None, b=None), prefill_graph())
+    assert "exceeds the window of 512" in cp.check_window(facts(s=513), prefill_graph())
+    assert cp.check_window(facts(s=512), prefill_graph()) is None
+    reason = dict(decide(facts(s=None), cuda(True)).rejected)["chunked_window"]
+    assert "serves decode" in reason
+
+
 def test_demoted_native_gives_its_reason_and_cpu_order_breaks_ties():
     decision = decide(facts(s=None, dtypes=F32), cuda(True))
     rejected = dict(decision.rejected)
@@ -151,6 +180,31 @@ def test_chunked_parallel_matches_float64(tmp_path, s, groups, dtype):
     assert tract_check.read_decisions(path) == {"gated_delta_scan": "chunked_parallel"}
     assert tract_check.read_runtime(path) == "cuda" and not tract_check.read_cpu_fallbacks(path)
     check_run(path, module, args, 1e-4 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("groups, dtype", [(1, torch.float32), (2, torch.float32),
+                                           (1, torch.float16)])
+def test_window_matches_float64_at_every_length_and_refuses_more(tmp_path, groups, dtype):
+    """ONE graph, symbolic S (traced at S = 4): the tokens padded to the 512-token window,
+    right at S = 1 .. 512 (the padded tokens leave the state as it is); past the window tract
+    fails the call with its reason (the pad's length is negative), nothing computed wrong;
+    the NNEF says how many tokens a call may take."""
+    import tract
+
+    module = Fused(16 ** -0.5)
+    shape = dict(hk=2, groups=groups, dk=16, dv=16, dtype=dtype)
+    axes = {name: {1: "S"} for name in SCAN_NAMES[:5]}
+    path = export_nnef(torch.export.export(module, scan_inputs(s=4, **shape)),
+                       tmp_path / "w.nnef", runtime="cuda", input_names=SCAN_NAMES,
+                       dynamic_axes=axes, serves_decode=False)
+    assert tract_check.read_decisions(path) == {"gated_delta_scan": "chunked_window"}
+    assert '("gdn_fx_max_tokens", "512")' in tract_check.nnef_text(path)
+    runnable = tract_check.load(path)
+    for s in (1, 2, 63, 64, 65, 300, 511, 512):
+        check_run(runnable, module, scan_inputs(s=s, seed=s, **shape),
+                  1e-4 if dtype == torch.float32 else 2e-3)
+    with pytest.raises(tract.TractError, match="too large"):
+        tract_check.run(runnable, scan_inputs(s=513, **shape))
 
 
 @pytest.mark.parametrize("s", [300, 2100])

@@ -58,6 +58,7 @@ from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.dropins import reify
 from gdn_fx.hf.nnef import (DECODE, FINGERPRINT, VOCAB, fingerprint, fused_counts, place,
                             prepare_for_nnef, stamp_properties, staging, vocabulary_size)
+from gdn_fx.lowering.target import MAX_TOKENS
 
 EXAMPLE_SEQ, EXAMPLE_PAST = 3, 4  # >= 2: torch.export specializes dims whose example is 0 or 1
 # tract against eager, per output, for an f16 model (f32 models: 1e-4): four f16 ulps of the
@@ -186,13 +187,16 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
     say(f"export the reified step (symbolic S and P) -> {path}")
     program = export_program(step)
     finals = [path, decode_path(path)]
-    jobs = [(program, {"input_ids": {1: "S"}, **past})]
+    # a pair's main graph never runs decode's one-token calls (lowering/target.py)
+    main_options = options.of(options, serves_decode=not decode)
+    jobs = [(program, {"input_ids": {1: "S"}, **past}, main_options)]
     if decode:
-        jobs.append((decode_program(program, step), past))
+        jobs.append((decode_program(program, step), past, options))
     names = dict(input_names=step.input_names, output_names=step.output_names)
     with staging(path) as folder:  # nothing at path until both graphs are written and checked
         written = [_write_graph(exported, folder / f"graph{i}.nnef", finals[i], axes, names,
-                                options, say) for i, (exported, axes) in enumerate(jobs)]
+                                graph_options, say)
+                   for i, (exported, axes, graph_options) in enumerate(jobs)]
         note = decode_problem(written[1], written[0], step, weights) if decode \
             else NOT_ASKED
         if note and decode:
@@ -419,6 +423,12 @@ class LoadedGraph:
     def fingerprint(self) -> Optional[str]:
         return self.properties.get(FINGERPRINT)
 
+    @property
+    def max_tokens(self) -> Optional[int]:
+        """The most tokens one call may take (a windowed candidate's), None: no bound."""
+        window = self.properties.get(MAX_TOKENS, "")
+        return int(window) if window.isdigit() else None
+
     def describe(self, index: int) -> str:
         name, dims, datum = self.inputs[index]
         return f"{name} [{', '.join(map(str, dims))}] {datum}"
@@ -461,12 +471,23 @@ def load_graph(path: Union[str, Path], runtime: str = "cpu",
                    for name, dims, datum in EXTERNAL.findall(text) if name in names)
     bounds = tuple((sym, op, int(value)) for sym, op, value in _ASSERT.findall(text))
     properties = {key: value for key, value in _PROPERTY.findall(text)}
+    bounds += _window_bound(inputs, properties)
     logits = str(runnable.output_fact(0)).split(",")
     width = int(logits[-2]) if len(logits) >= 2 and logits[-2].isdigit() else 0
     return LoadedGraph(path, runnable, text, inputs, bounds, properties, width)
 
 
 _PROPERTY = re.compile(r'\(\s*"(gdn_fx_\w+)"\s*,\s*"([^"]*)"\s*\)')
+
+
+def _window_bound(inputs: tuple, properties: Mapping) -> tuple:
+    """((S, "<=", W),) where the graph's candidates take at most W tokens a call (the NNEF
+    property MAX_TOKENS, lowering/plan.max_tokens; S the token axis of ``input_ids``)."""
+    window = properties.get(MAX_TOKENS, "")
+    dims = inputs[0][1] if inputs else ()
+    if not window.isdigit() or not dims or not isinstance(dims[-1], str):
+        return ()
+    return ((dims[-1], "<=", int(window)),)
 
 
 def _dim(text: str) -> Union[int, str]:
@@ -609,6 +630,9 @@ class Generator:
                 prefill_chunk, numbers.Integral) or prefill_chunk < 1):
             raise UsageError(f"prefill_chunk must be an int >= 1 (or None), got "
                              f"{prefill_chunk!r}")
+        window = self.main_graph.max_tokens  # a windowed main graph: calls of at most that
+        if window is not None:
+            prefill_chunk = min(prefill_chunk or window, window)
         self.prefill_chunk = prefill_chunk
 
     @classmethod
@@ -646,11 +670,13 @@ class Generator:
     def _graph_of(self, state) -> LoadedGraph:
         return self.decode_graph if state is self.decode else self.main_graph
 
-    def check_ids(self, ids: np.ndarray, graph: Optional[LoadedGraph] = None) -> np.ndarray:
+    def check_ids(self, ids: np.ndarray, graph: Optional[LoadedGraph] = None,
+                  prompt: bool = False) -> np.ndarray:
         """``ids`` as the int64 ``[B, S]`` that ``graph`` (default: the main graph) takes,
         else a one-line error: InputUnsupported for a batch other than the declared one,
         UsageError for another S, an S outside the asserted bounds, or an id outside
-        ``[0, vocab)``."""
+        ``[0, vocab)``. ``prompt``: ``ids`` is a whole prompt, fed in calls of at most
+        ``prefill_chunk`` tokens: the longest call is checked against the bounds."""
         graph = graph or self.main_graph
         ids = np.asarray(ids)
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
@@ -664,7 +690,9 @@ class Generator:
             raise UsageError(f"{graph.path} takes {length} token(s) per call, got "
                              f"{ids.shape[1]}")
         if isinstance(length, str):
-            self.check_lengths({length: ids.shape[1]}, graph)
+            longest = min(ids.shape[1], self.prefill_chunk or ids.shape[1]) if prompt \
+                else ids.shape[1]
+            self.check_lengths({length: longest}, graph)
         bad = np.flatnonzero((ids < 0) | (ids >= self.vocab))
         if bad.size:
             value = ids.reshape(-1)[bad[0]]
@@ -696,7 +724,7 @@ class Generator:
 
     def prefill(self, ids: np.ndarray, caches: list) -> tuple[np.ndarray, list]:
         """``ids`` [B, S] after ``caches``, in calls of at most ``prefill_chunk`` tokens."""
-        ids = self.check_ids(ids)
+        ids = self.check_ids(ids, prompt=True)
         chunk = self.prefill_chunk or ids.shape[1]
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start:start + chunk]
@@ -723,7 +751,8 @@ class Generator:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
                 or max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        ids = self.check_ids(np.array([_in_vocabulary(prompt, self.vocab)], dtype=np.int64))
+        ids = self.check_ids(np.array([_in_vocabulary(prompt, self.vocab)], dtype=np.int64),
+                             prompt=True)
         self.check_lengths({"P": len(prompt) + max_new_tokens - 2})  # the last call's past
         result = GenerationResult(list(prompt))
         start = time.perf_counter()

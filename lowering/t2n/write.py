@@ -21,7 +21,7 @@ import torch
 
 from gdn_fx.errors import ExportRefused, LoweringUnsupported, UsageError
 from gdn_fx.lowering.options import ExportOptions
-from gdn_fx.lowering.plan import fallbacks, plan, summary
+from gdn_fx.lowering.plan import fallbacks, max_tokens, plan, summary
 from gdn_fx.lowering.t2n import program as prog
 from gdn_fx.lowering.t2n import streamed
 from gdn_fx.lowering.t2n.bridge import to_bridge
@@ -33,7 +33,7 @@ from gdn_fx.lowering.t2n.scan_reset import needs_reset, reset_cumsum_scans
 from gdn_fx.lowering.t2n.unused_inputs import (declare_unused, drop_unused, rewrite_graph_file,
                                                unused_inputs)
 from gdn_fx.lowering.t2n.weights import apply_weights
-from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE, RUNTIME_ATTRIBUTE, Target
+from gdn_fx.lowering.target import DYNAMIC_ATTRIBUTE, MAX_TOKENS, RUNTIME_ATTRIBUTE, Target
 from gdn_fx.passes.hop import describe, loop_hops
 
 PLUGIN = "gdn_fx.lowering.t2n.plugin"
@@ -138,7 +138,8 @@ def _write(module, writer_path: Path, compression: Optional[int], target: Target
                                       {"gdn_fx_lowering": summary(decisions),
                                        "gdn_fx_weights": weights,
                                        RUNTIME_ATTRIBUTE: target.runtime,
-                                       "gdn_fx_cpu_fallback": fallbacks(decisions)})
+                                       "gdn_fx_cpu_fallback": fallbacks(decisions),
+                                       MAX_TOKENS: max_tokens(decisions)})
     setattr(t2n_target, DYNAMIC_ATTRIBUTE, target.dynamic)  # emission re-checks against it
     setattr(t2n_target, RUNTIME_ATTRIBUTE, target.runtime)
     # Symbols are extents (>= 1 unless told); without saying so tract keeps slower generic ops.
