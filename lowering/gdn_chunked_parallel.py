@@ -40,6 +40,14 @@ What the text is shaped by (tract 0.23.9's CUDA runtime, measured on an H200):
 
 It serves what "chunked_unrolled" serves (GDN gates, q/k l2norm in the node), any static S.
 
+"chunked_window" is the same text for a symbolic S of at most WINDOW (512) tokens a call:
+the tokens are zero-padded to the window (zero k and beta, log decay 0: a padded token leaves
+the state exactly as it is and its output is cut off), so every shape past the padding is
+static. Every call computes the whole window, so it serves only a graph that never runs
+decode's one-token calls (a main / decode pair's main graph, ``Target.serves_decode``); the
+NNEF records the bound ("gdn_fx_max_tokens"), the generator cuts prompts to it, and a
+longer call fails in tract (the pad's length is negative) instead of computing anything.
+
 Measured on an H200 (bench/bench_cuda.py, Qwen3.5 layer core, f16 q/k/v/beta, f32 state,
 State.run with the inputs on the host; bench/RESULTS.md, 20:21 run): S = 4096 in 11.4 ms
 against 56.3 for the native CUDA kernel and 13.8 for the text before (6d8602b: block inverse

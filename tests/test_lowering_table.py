@@ -53,7 +53,7 @@ F16_STATE = dict(DECODE_F16, initial_state="f16")
 
 # The table order, written out here (not read from the code under test).
 GDN_ORDER = ("matmul_step", "chunked_unrolled", "split", "chunked", "matmul", "native", "scan",
-             "chunked_parallel")  # the last: measured for the CUDA runtime only
+             "chunked_parallel", "chunked_window")  # the last two: for the CUDA runtime only
 CONV_ORDER = ("depthwise", "portable", "native")
 FAST = ["matmul_step", "chunked_unrolled", "split", "chunked", "matmul"]
 ONLY_NATIVE_OR_SCAN = Choice.parse({"forbid": FAST})
