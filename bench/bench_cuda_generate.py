@@ -351,9 +351,11 @@ def guarded(fn, *args) -> dict:
         return {"error": f"{type(error).__name__}: {text[:800]}"}
 
 
-def run(folder: Path, out: Path, parts: set, baselines: tuple = ()) -> None:
+def run(folder: Path, out: Path, parts: set, baselines: tuple = (), rounds: int = 1) -> None:
     """The parts asked for, on the artifacts of ``folder``; ``baselines``: more 0.8B
-    artifacts (another revision's) timed in the same process after this revision's."""
+    artifacts (another revision's) timed in the same process after this revision's.
+    ``rounds`` > 1: the 0.8B artifacts are timed again, in reverse order, then forward, ...
+    (rows "<label> #2", ...), so that a drift of the machine shows against the order."""
     out.mkdir(parents=True, exist_ok=True)
     global GPU
     found = dict(gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
@@ -372,6 +374,15 @@ def run(folder: Path, out: Path, parts: set, baselines: tuple = ()) -> None:
                 found[label] = guarded(time_tract, path)
                 print(table(found[label], found["torch"], label), flush=True)
                 (out / "results.json").write_text(json.dumps(found, indent=1, default=str))
+        timed_rows = [("", folder / BIG), *others]
+        for again in range(2, rounds + 1):
+            order = timed_rows[::-1] if again % 2 == 0 else timed_rows
+            for label, path in order:
+                if path.exists():
+                    key = f"{label or 'tract'} #{again}"
+                    found[key] = guarded(time_tract, path)
+                    print(table(found[key], found["torch"], key), flush=True)
+                    (out / "results.json").write_text(json.dumps(found, indent=1, default=str))
     if "kv" in parts and (folder / BIG).exists():
         found["kv_on_device"] = guarded(time_tract, folder / BIG, True)
         print(table(found["kv_on_device"], found.get("torch", {})), flush=True)
@@ -379,7 +390,7 @@ def run(folder: Path, out: Path, parts: set, baselines: tuple = ()) -> None:
         print(table(found["detect_all"], found.get("torch", {})), flush=True)
     (out / "results.json").write_text(json.dumps(found, indent=1, default=str))
     timed = ["tract", "kv_on_device", "detect_all", *[k for k in found if k.startswith(
-        ("conv", "baseline", "pair"))]]
+        ("conv", "baseline", "pair")) and "#" not in k]]
     for key in timed:
         for phase in ("decode_profile", "prefill_profile"):
             profile = found.get(key, {}).get(phase)
@@ -411,6 +422,9 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, nargs="*", default=[],
                         help="with --run: 0.8B artifacts of another revision, timed after")
     parser.add_argument("--runtime", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --run: time the 0.8B artifacts this many times, "
+                             "alternating their order")
     parser.add_argument("--parts", nargs="+", default=["tiny", "big", "kv"],
                         choices=["tiny", "big", "kv"])
     args = parser.parse_args()
@@ -425,7 +439,7 @@ def main() -> None:
     if args.run:
         global RUNTIME
         RUNTIME = args.runtime
-        run(args.run, args.out, set(args.parts), tuple(args.baseline))
+        run(args.run, args.out, set(args.parts), tuple(args.baseline), args.rounds)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ without the construct it fixes.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -21,6 +22,8 @@ from gdn_fx.errors import ExportRefused
 from gdn_fx.lowering.facts import static_dim
 from gdn_fx.lowering.t2n.moe import grouped_mm_as_plain_ops
 from gdn_fx.lowering.t2n.noop_scatters import noop_scatters
+from gdn_fx.lowering.t2n.traced_sizes import traced_arange
+from gdn_fx.lowering.t2n.traced_sizes import dynamic_slice
 
 aten = torch.ops.aten
 Fix = Callable[[fx.GraphModule], int]
@@ -504,6 +507,87 @@ def explicit_slice_ends(module: fx.GraphModule) -> int:
     return count
 
 
+# --- position compares ----------------------------------------------------------------------
+
+_COMPARES = {aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor}
+# Ops a position tensor passes through unchanged in value, as aten writes them and as the
+# traceable module spells them (t2n/traced_sizes.py: methods, dynamic_slice).
+_SAME_VALUES = {aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.view.default,
+                aten.reshape.default, aten.expand.default, aten.clone.default,
+                aten.alias.default, dynamic_slice, "reshape", "expand", "view", "unsqueeze"}
+_SUMS = {aten.add.Tensor, aten.sub.Tensor, operator.add, operator.sub}
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step, traced_arange}
+# Each symbol of an export with a position compare is declared to tract as at most this
+# (write.py): positions, sums of at most two such extents (P + S), then stay below 2^24,
+# exact in float32 (_EXACT_IN_F32).
+POSITION_SYMBOL_MAX = 2 ** 22
+
+
+def _bound(value) -> Optional[int]:
+    """An upper bound on ``|value|`` (an int or a SymInt whose symbols are each at most
+    POSITION_SYMBOL_MAX), None where none is known (a product of symbols, a division)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value)
+    expr = getattr(getattr(value, "node", None), "expr", None)
+    if expr is None or not expr.is_polynomial() or expr.as_poly() is None \
+            or expr.as_poly().total_degree() > 1:
+        return None
+    poly = expr.as_poly()
+    return sum(abs(int(c)) for c in poly.coeffs()) * POSITION_SYMBOL_MAX  # >= |expr|
+
+
+def _position_bound(node) -> Optional[int]:
+    """An upper bound on the values of the int64 tensor ``node`` where it is built from
+    ``arange`` by adds of bounded scalars and value-preserving views (None: not a position
+    tensor, or no bound known)."""
+    if isinstance(node, (int, torch.SymInt)):
+        return _bound(node)
+    if not isinstance(node, fx.Node):
+        return None
+    if isinstance(node.meta.get("val"), (int, torch.SymInt)):  # a size read off a tensor
+        return _bound(node.meta["val"])
+    if not isinstance(node.meta.get("val"), torch.Tensor) or _val(node).dtype != torch.int64 \
+            or node.op not in ("call_function", "call_method"):
+        return None
+    if node.target in _SUMS:
+        bounds = [_position_bound(a) for a in node.args]
+        return None if None in bounds or len(bounds) != 2 or node.kwargs else sum(bounds)
+    if node.target in _SAME_VALUES:
+        return _position_bound(node.args[0])
+    if node.target in _ARANGES:  # values between start and end (start 0 unless given)
+        bounds = [_position_bound(a) for a in node.args]
+        return None if None in bounds or not bounds else max(bounds)
+    return None
+
+
+@_recompiles
+def float_position_compares(module: fx.GraphModule) -> int:
+    """Compare position tensors (int64 built from ``arange``, the causal mask's ``kv_idx <=
+    q_idx``) in float32: both operands cast first, exact while every value is below 2^24,
+    which the bound checked here and the symbol bounds write.py then declares keep.
+
+    tract 0.23.9 compares int64 tensors in a generic loop: the mask of a 512-token prefill
+    took 3.4 ms on this CPU (0.15 ms in float32) and 6.4 ms on the CPU under the CUDA runtime,
+    which has no int64 compare (docs/FACTS.md)."""
+    count = 0
+    for node in list(module.graph.nodes):
+        if node.op != "call_function" or node.target not in _COMPARES or node.kwargs:
+            continue
+        operands = node.args[:2]
+        bounds = [_position_bound(a) for a in operands]
+        if None in bounds or max(bounds) >= _EXACT_IN_F32 \
+                or not all(isinstance(a, fx.Node) for a in operands):
+            continue
+        with module.graph.inserting_before(node):
+            cast = [module.graph.call_function(aten._to_copy.default, (a,),
+                                               {"dtype": torch.float32}) for a in operands]
+        for new, old in zip(cast, operands):
+            new.meta["val"] = torch.empty_like(_val(old), dtype=torch.float32)
+        node.args = (*cast, *node.args[2:])
+        count += 1
+    return count
+
+
 # In order: refusals first (fail before any work), then fixes that remove nodes, then the
 # dtype fixes (typed_factories must also see the zeros empty_reshapes_as_constants makes).
 FIXES: tuple[Fix, ...] = (
@@ -514,6 +598,7 @@ FIXES: tuple[Fix, ...] = (
     unit_step_slice_scatters, respell, sorted_topk, scatter_values_as_tensors, precise_sigmoids,
     explicit_slice_ends, static_query_attention_as_matmuls, tied_linears_as_matmuls,
     grouped_mm_as_plain_ops,  # t2n/moe.py: transformers' default MoE kernel
+    float_position_compares,
 )
 
 

@@ -34,7 +34,7 @@ def dynamic_slice(x: torch.Tensor, dim: int, start: Optional[Any] = None,
     return x[index]
 
 
-def _arange(*args, **kwargs) -> torch.Tensor:
+def traced_arange(*args, **kwargs) -> torch.Tensor:
     kwargs.pop("pin_memory", None)  # torch.arange's Python signature has no pin_memory
     return torch.arange(*args, **kwargs)
 
@@ -45,9 +45,9 @@ SPELLINGS = {
     aten.reshape.default: ("call_method", "reshape"),
     aten._unsafe_view.default: ("call_method", "reshape"),
     aten.expand.default: ("call_method", "expand"),
-    aten.arange.default: ("call_function", _arange),
-    aten.arange.start: ("call_function", _arange),
-    aten.arange.start_step: ("call_function", _arange),
+    aten.arange.default: ("call_function", traced_arange),
+    aten.arange.start: ("call_function", traced_arange),
+    aten.arange.start_step: ("call_function", traced_arange),
     aten.slice.Tensor: ("call_function", dynamic_slice),
     aten.new_empty.default: ("call_method", "new_empty"),
     aten.new_zeros.default: ("call_method", "new_zeros"),

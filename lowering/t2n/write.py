@@ -26,7 +26,7 @@ from gdn_fx.lowering.t2n import program as prog
 from gdn_fx.lowering.t2n import streamed
 from gdn_fx.lowering.t2n.bridge import to_bridge
 from gdn_fx.lowering.t2n.dynamic_axes import frozen_axes, refuse_frozen_axes
-from gdn_fx.lowering.t2n.fixes import apply_fixes
+from gdn_fx.lowering.t2n.fixes import POSITION_SYMBOL_MAX, apply_fixes
 from gdn_fx.lowering.t2n.moe_ffn import FUSED, fuse_moe_blocks, split_choice
 from gdn_fx.lowering.t2n.offline_target import offline_tract_target
 from gdn_fx.lowering.t2n.scan_reset import needs_reset, reset_cumsum_scans
@@ -59,7 +59,7 @@ def write_nnef(program, path: Union[str, Path], *,
     moe, choose = split_choice(options.choose)  # choose["transformers_moe"], not a table entry
     if moe == FUSED:  # before the fixes: else plain (moe.py)
         fuse_moe_blocks(module, target)
-    apply_fixes(module)
+    fixed = apply_fixes(module)
     if dynamic_axes:
         refuse_frozen_axes(module, dynamic_axes, names)
     decisions = plan(module, target, choose)  # logs every decision and rejection
@@ -67,7 +67,8 @@ def write_nnef(program, path: Union[str, Path], *,
     stored = apply_weights(module, options.weights)  # t2n/weights.py: f32, f16 or q4_0
     return _write(module, writer_path, compression, target, dynamic_axes, decisions,
                   names, list(output_names) if output_names else None, options.symbol_min,
-                  stored.summary())
+                  stored.summary(),
+                  POSITION_SYMBOL_MAX if "float_position_compares" in fixed else None)
 
 
 def _refuse_loop_hops(module) -> None:
@@ -121,11 +122,13 @@ def _streamed(module, t2n_target):
 
 def _write(module, writer_path: Path, compression: Optional[int], target: Target,
            dynamic_axes, decisions, input_names: list, output_names: Optional[list],
-           symbol_min: Mapping[str, int], weights: str = "f32") -> Path:
+           symbol_min: Mapping[str, int], weights: str = "f32",
+           symbol_max: Optional[int] = None) -> Path:
     """Trace the bridged module with torch-to-nnef (offline target) and write the NNEF.
 
     Inputs nothing reads are left out of what torch-to-nnef sees and declared afterwards, in
-    their place (t2n/unused_inputs.py)."""
+    their place (t2n/unused_inputs.py). ``symbol_max``: every symbol is declared at most
+    that (the float32 position compares' bound, fixes.float_position_compares)."""
     from torch_to_nnef.exceptions import T2NErrorIoQuantity
     from torch_to_nnef.export import export_model_to_nnef
 
@@ -156,7 +159,8 @@ def _write(module, writer_path: Path, compression: Optional[int], target: Target
                 log_level=logging.WARNING, load_extra_op_modules=[PLUGIN],
                 strict_extra_imports=True,
                 custom_extensions=[f"tract_assert {s} >= {symbol_min.get(s, 1)}"
-                                   for s in symbols]))
+                                   for s in symbols]
+                + [f"tract_assert {s} <= {symbol_max}" for s in symbols if symbol_max]))
         except T2NErrorIoQuantity as error:
             raise ExportRefused(f"torch-to-nnef dropped program inputs or outputs it found "
                                 f"unused after its own simplifications: "
