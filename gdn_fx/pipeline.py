@@ -337,13 +337,21 @@ class BatchCheck:
                 f"(bound {self.checks[0].bound:g})")
 
 
+def _lengths(path) -> str:
+    """The token counts one call of the export at ``path`` takes."""
+    from gdn_fx import tract_check
+
+    window = tract_check.read_max_tokens(path)
+    return "every S >= 1" if window is None else f"1 <= S <= {window} a call"
+
+
 def render_generator(report: GeneratorReport) -> str:
     """The generator report as the lines the CLI prints."""
     files = report.files
     lines = [f"model: {report.model}",
              "fused: " + ", ".join(f"{k} {report.counts.get(k, 0)}/{n}"
                                    for k, n in report.expected.items()),
-             f"nnef: {files.main} (every S >= 1, P >= 0)"]
+             f"nnef: {files.main} ({_lengths(files.main)}, P >= 0)"]
     if files.decode is not None:
         lines.append(f"nnef: {files.decode} (decode, S = 1, P >= 0)")
     else:

@@ -33,6 +33,7 @@ TOLERANCE = {torch.float16: 1e-3, torch.float32: 1e-4, torch.float64: 1e-4}
 _DECISIONS = re.compile(r'\(\s*"gdn_fx_lowering"\s*,\s*"([^"]*)"\s*\)')
 _RUNTIME = re.compile(r'\(\s*"gdn_fx_runtime"\s*,\s*"([^"]*)"\s*\)')
 _FALLBACKS = re.compile(r'\(\s*"gdn_fx_cpu_fallback"\s*,\s*"([^"]*)"\s*\)')
+_MAX_TOKENS = re.compile(r'\(\s*"gdn_fx_max_tokens"\s*,\s*"(\d+)"\s*\)')
 
 
 def runtime_unavailable(runtime: str) -> Optional[str]:
@@ -218,6 +219,13 @@ def read_cpu_fallbacks(path: Union[str, Path]) -> list[str]:
     by ``gdn_fx.export_nnef``; empty for the CPU runtime and when every node stays)."""
     match = _FALLBACKS.search(nnef_text(path))
     return [name for name in match.group(1).split(";") if name] if match else []
+
+
+def read_max_tokens(path: Union[str, Path]) -> Optional[int]:
+    """The most tokens one call may take, where a candidate computes a fixed window
+    (recorded by ``gdn_fx.export_nnef``; None: any number)."""
+    match = _MAX_TOKENS.search(nnef_text(path))
+    return int(match.group(1)) if match else None
 
 
 def read_decisions(path: Union[str, Path]) -> dict[str, str]:

@@ -117,6 +117,11 @@ def test_pair_main_graph_takes_the_window_and_says_its_bound(cuda_pair):
     assert set(scans[files.main].values()) == {"chunked_window"}
     assert set(scans[files.decode].values()) == {"matmul_step"}
     assert not tract_check.read_cpu_fallbacks(files.main)
+    assert tract_check.read_max_tokens(files.main) == 512
+    assert tract_check.read_max_tokens(files.decode) is None
+    from gdn_fx.pipeline import _lengths
+
+    assert _lengths(files.main) == "1 <= S <= 512 a call"  # what the CLI prints
     gen = Generator.open(files.main)
     assert gen.main_graph.max_tokens == 512 and gen.prefill_chunk == 512
     assert Generator.open(files.main, prefill_chunk=None).prefill_chunk == 512
