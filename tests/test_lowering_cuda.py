@@ -182,9 +182,13 @@ def test_chunked_parallel_matches_float64(tmp_path, s, groups, dtype):
     check_run(path, module, args, 1e-4 if dtype == torch.float32 else 2e-3)
 
 
-@pytest.mark.parametrize("groups, dtype", [(1, torch.float32), (2, torch.float32),
-                                           (1, torch.float16)])
-def test_window_matches_float64_at_every_length_and_refuses_more(tmp_path, groups, dtype):
+@pytest.mark.parametrize("groups, dtype, b, dv", [(1, torch.float32, 1, 16),
+                                                  (2, torch.float32, 1, 16),
+                                                  (1, torch.float16, 1, 16),
+                                                  (1, torch.float32, 2, 16),  # batch 2
+                                                  (3, torch.float32, 1, 32)])  # Dv != Dk
+def test_window_matches_float64_at_every_length_and_refuses_more(tmp_path, groups, dtype, b,
+                                                                 dv):
     """ONE graph, symbolic S (traced at S = 4): the tokens padded to the 512-token window,
     right at S = 1 .. 512 (the padded tokens leave the state as it is); past the window tract
     fails the call with its reason (the pad's length is negative), nothing computed wrong;
@@ -192,7 +196,7 @@ def test_window_matches_float64_at_every_length_and_refuses_more(tmp_path, group
     import tract
 
     module = Fused(16 ** -0.5)
-    shape = dict(hk=2, groups=groups, dk=16, dv=16, dtype=dtype)
+    shape = dict(b=b, hk=2, groups=groups, dk=16, dv=dv, dtype=dtype)
     axes = {name: {1: "S"} for name in SCAN_NAMES[:5]}
     path = export_nnef(torch.export.export(module, scan_inputs(s=4, **shape)),
                        tmp_path / "w.nnef", runtime="cuda", input_names=SCAN_NAMES,
