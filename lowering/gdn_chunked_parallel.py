@@ -45,8 +45,9 @@ the tokens are zero-padded to the window (zero k and beta, log decay 0: a padded
 the state exactly as it is and its output is cut off), so every shape past the padding is
 static. Every call computes the whole window, so it serves only a graph that never runs
 decode's one-token calls (a main / decode pair's main graph, ``Target.serves_decode``); the
-NNEF records the bound ("gdn_fx_max_tokens"), the generator cuts prompts to it, and a
-longer call fails in tract (the pad's length is negative) instead of computing anything.
+NNEF records the bound ("gdn_fx_max_tokens"), the generator cuts prompts to it and refuses a
+longer call; tract itself fails one (CPU) or aborts (CUDA) on the negative pad, never
+computing anything wrong.
 
 Measured on an H200 (bench/bench_cuda.py, Qwen3.5 layer core, f16 q/k/v/beta, f32 state,
 State.run with the inputs on the host; bench/RESULTS.md, 20:21 run): S = 4096 in 11.4 ms
@@ -299,8 +300,11 @@ def suits_window(facts: ScanFacts, target: Target) -> Optional[str]:
 def emit_window(ctx: EmitContext) -> list:
     """Write the window for one node: the tokens zero-padded to WINDOW (beta, k and the log
     decay 0: the state passes padded tokens unchanged), the batched chunks of WINDOW, the
-    output cut back to S. More than WINDOW tokens make the pad's length negative: tract then
-    fails the call ("tensor shape ... is too large"), nothing is computed wrong."""
+    output cut back to S. More than WINDOW tokens make the pad's length negative, so nothing
+    is computed wrong: tract's CPU runtime fails the call ("tensor shape ... is too large"),
+    its CUDA runtime aborts the process (it unwraps the failed device allocation; an integer
+    guard broadcast first was moved to the GPU too, measured on an H100). Callers keep to the
+    bound the NNEF declares (``gdn_fx_max_tokens``): the Generator refuses a longer call."""
     chunk = chunk_for(WINDOW)
     return _emit(ctx, chunk, WINDOW // chunk, f"{WINDOW} - n", "gdn_fx_chunked_window")
 

@@ -29,7 +29,11 @@ one step (no chunk) and S = 512 eight chunk iterations (no step); the conv updat
 (``matmul_step``, ``portable``), same inputs and outputs, kept when it computes what the main
 graph would (:func:`decode_problem`). Before ``split`` it was needed for speed: no candidate
 serving every S was within 1.25x of the best at both S = 1 and S = 512 (``chunked`` 5.8x the
-best at S = 1, ``matmul`` 3.8x at S = 512, on a Qwen3.5-sized layer).
+best at S = 1, ``matmul`` 3.8x at S = 512, on a Qwen3.5-sized layer). Under CUDA it is the
+faster prefill: the pair's main graph never runs decode (``serves_decode=False``), so its scans
+take ``chunked_window`` (the batched chunks of a 512-token window, on the GPU) where the one
+graph steps the native kernel token by token; the main graph then declares 512 tokens a call
+(``gdn_fx_max_tokens``), which the Generator cuts prompts to (README, "Generation on the GPU").
 """
 
 from __future__ import annotations
