@@ -27,13 +27,13 @@ import numpy as np
 import torch
 
 from gdn_fx.errors import DTypeError, MissingFile, RuntimeUnavailable, ShapeError
-from gdn_fx.lowering.target import check_runtime
+from gdn_fx.lowering.target import MAX_TOKENS, check_runtime
 
 TOLERANCE = {torch.float16: 1e-3, torch.float32: 1e-4, torch.float64: 1e-4}
 _DECISIONS = re.compile(r'\(\s*"gdn_fx_lowering"\s*,\s*"([^"]*)"\s*\)')
 _RUNTIME = re.compile(r'\(\s*"gdn_fx_runtime"\s*,\s*"([^"]*)"\s*\)')
 _FALLBACKS = re.compile(r'\(\s*"gdn_fx_cpu_fallback"\s*,\s*"([^"]*)"\s*\)')
-_MAX_TOKENS = re.compile(r'\(\s*"gdn_fx_max_tokens"\s*,\s*"(\d+)"\s*\)')
+_MAX_TOKENS = re.compile(r'\(\s*"' + MAX_TOKENS + r'"\s*,\s*"(\d+)"\s*\)')
 
 
 def runtime_unavailable(runtime: str) -> Optional[str]:
