@@ -13,7 +13,8 @@ from torch.export import Dim
 
 from gdn_fx import tract_check
 from gdn_fx.export import export_nnef
-from gdn_fx.lowering.t2n.fixes import POSITION_SYMBOL_MAX, float_position_compares
+from gdn_fx.lowering.t2n.fixes import (POSITION_SYMBOL_MAX, float_position_compares,
+                                       ranges_with_offsets)
 from gdn_fx.lowering.t2n.program import traceable_module
 
 
@@ -78,6 +79,31 @@ def test_causal_mask_is_compared_in_float32_and_computes_the_same(tmp_path):
                          ids=["token values", "product of sizes", "past 2^24"])
 def test_other_compares_stay_int64(module):
     assert casts(module) == 0
+
+
+class FloatRange(nn.Module):  # a float range plus a size: not rewritten
+    def forward(self, ids, past):
+        return torch.arange(ids.shape[1], dtype=torch.float32) + past.shape[2]
+
+
+class RangePlusTensor(nn.Module):  # a range plus token values: not rewritten
+    def forward(self, ids, past):
+        return torch.arange(ids.shape[1]) + ids[0]
+
+
+@pytest.mark.parametrize("module, rewritten", [(CausalMask(), 1), (FloatRange(), 0),
+                                               (RangePlusTensor(), 0)])
+def test_range_plus_size_becomes_a_range_from_it(module, rewritten):
+    """``arange(S) + P`` as ``arange(P, P + S)``: the same values (run here at other sizes
+    than traced), one op fewer (tract adds a size to a range element by element)."""
+    program = torch.export.export(module, inputs(), dynamic_shapes=DYNAMIC)
+    plain = traceable_module(program)
+    assert ranges_with_offsets(plain) == rewritten
+    plain.recompile()
+    for s, p in [(1, 0), (6, 11)]:
+        want, got = module(*inputs(s, p)), plain(*inputs(s, p))
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        assert torch.equal(got, want)
 
 
 def test_export_without_position_compare_declares_no_upper_bound(tmp_path):
