@@ -119,6 +119,7 @@ def test_pair_main_graph_takes_the_window_and_says_its_bound(cuda_pair):
     assert not tract_check.read_cpu_fallbacks(files.main)
     assert tract_check.read_max_tokens(files.main) == 512
     assert tract_check.read_max_tokens(files.decode) is None
+    assert "extension tract_assert S <= 512;" in tract_check.nnef_text(files.main)
     from gdn_fx.pipeline import _lengths
 
     assert _lengths(files.main) == "1 <= S <= 512 a call"  # what the CLI prints

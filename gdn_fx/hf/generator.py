@@ -60,8 +60,9 @@ from gdn_fx.errors import (ArtifactError, ArtifactMismatch, InputUnsupported, Mi
 from gdn_fx.hf.attention import grouped_attention
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.dropins import reify
-from gdn_fx.hf.nnef import (DECODE, FINGERPRINT, VOCAB, fingerprint, fused_counts, place,
-                            prepare_for_nnef, stamp_properties, staging, vocabulary_size)
+from gdn_fx.hf.nnef import (DECODE, FINGERPRINT, VOCAB, declare_bound, fingerprint,
+                            fused_counts, place, prepare_for_nnef, stamp_properties, staging,
+                            vocabulary_size)
 from gdn_fx.lowering.target import MAX_TOKENS
 
 EXAMPLE_SEQ, EXAMPLE_PAST = 3, 4  # >= 2: torch.export specializes dims whose example is 0 or 1
@@ -239,10 +240,16 @@ def place_graphs(written: Sequence[Path], finals: Sequence[Path], model: nn.Modu
     in the main graph, the decode graph's file name; then move them to ``finals``: the decode
     graph first, the main graph last (a main graph in place means a complete pair). A decode
     graph of an earlier export at ``decode_path(finals[0])`` is removed when none is kept:
-    it would not match the new main graph."""
+    it would not match the new main graph. A main graph whose candidates take at most W
+    tokens a call (``gdn_fx_max_tokens``) also declares ``S <= W`` to tract."""
+    from gdn_fx import tract_check
+
     common = {FINGERPRINT: fingerprint(model, weights), VOCAB: str(vocabulary_size(model))}
     decode = finals[1].name if len(finals) > 1 else ""
     stamp_properties(written[0], {**common, DECODE: decode})
+    window = tract_check.read_max_tokens(written[0])
+    if window is not None:  # a windowed main graph: its bound on the token axis, for tract
+        declare_bound(written[0], "S", window)
     for folder in written[1:]:
         stamp_properties(folder, common)
     for folder, final in reversed(list(zip(written, finals))):

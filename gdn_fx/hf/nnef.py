@@ -192,6 +192,24 @@ def stamp_properties(folder: Path, properties: Mapping[str, str]) -> None:
     graph.write_text(stamped)
 
 
+_LAST_ASSERT = re.compile(r"(extension tract_assert [^;]*;\n)(?!extension tract_assert)")
+
+
+def declare_bound(folder: Path, symbol: str, most: int) -> None:
+    """Declare ``symbol <= most`` to tract in the graph.nnef of the NNEF folder ``folder``,
+    after its other assertions (tract does not check it at run time: it tells a reader, and
+    the Generator, what the graph takes)."""
+    graph = Path(folder) / GRAPH_FILE
+    text = graph.read_text()
+    line = f"extension tract_assert {symbol} <= {most};\n"
+    declared, count = _LAST_ASSERT.subn(lambda m: m.group(1) + line, text, 1)
+    if count != 1:  # write.py declares every symbol >= its minimum: a change of that
+        from gdn_fx.errors import InternalError
+
+        raise InternalError(f"no tract_assert line in {graph}")
+    graph.write_text(declared)
+
+
 def _nnef_string(value: str) -> str:
     """``value`` as the body of an NNEF string literal (one line, no double quote)."""
     return " ".join(str(value).split()).replace("\\", "/").replace('"', "'")
