@@ -597,7 +597,8 @@ class Generator:
     A prompt longer than ``prefill_chunk`` tokens is fed in calls of that many (the artifact
     serves every S and P, so this computes the same): by default the longest chunk that keeps
     every projection's activations within the L2 cache (:func:`prefill_chunk`); ``None`` feeds
-    the whole prompt in one call.
+    the whole prompt in one call. A main graph that takes at most W tokens a call
+    (``gdn_fx_max_tokens``: the CUDA pair's ``chunked_window``) caps the chunk at W.
 
     Nothing reaches tract unchecked: a decode graph not from the main graph's export is
     refused (:func:`check_pair`), and every call's token ids must lie in ``[0, vocab)`` (an id
