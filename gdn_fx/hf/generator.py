@@ -482,23 +482,12 @@ def load_graph(path: Union[str, Path], runtime: str = "cpu",
                    for name, dims, datum in EXTERNAL.findall(text) if name in names)
     bounds = tuple((sym, op, int(value)) for sym, op, value in _ASSERT.findall(text))
     properties = {key: value for key, value in _PROPERTY.findall(text)}
-    bounds += _window_bound(inputs, properties)
     logits = str(runnable.output_fact(0)).split(",")
     width = int(logits[-2]) if len(logits) >= 2 and logits[-2].isdigit() else 0
     return LoadedGraph(path, runnable, text, inputs, bounds, properties, width)
 
 
 _PROPERTY = re.compile(r'\(\s*"(gdn_fx_\w+)"\s*,\s*"([^"]*)"\s*\)')
-
-
-def _window_bound(inputs: tuple, properties: Mapping) -> tuple:
-    """((S, "<=", W),) where the graph's candidates take at most W tokens a call (the NNEF
-    property MAX_TOKENS, lowering/plan.max_tokens; S the token axis of ``input_ids``)."""
-    window = properties.get(MAX_TOKENS, "")
-    dims = inputs[0][1] if inputs else ()
-    if not window.isdigit() or not dims or not isinstance(dims[-1], str):
-        return ()
-    return ((dims[-1], "<=", int(window)),)
 
 
 def _dim(text: str) -> Union[int, str]:
