@@ -205,14 +205,14 @@ def pass_lines(facts: ScanFacts, chunks: int) -> list[str]:
 
 
 def output_lines() -> list[str]:
-    """O = L U + (Q' - L W) S for every chunk (S the state entering it, as S^T). The
+    """O = L U + (Q' - L W) S for every chunk (S the state entering it, as S^T; qq is q
+    scale / |q|, scaled before the padding). The
     operands are in the order tract visits them (its eval order is a depth-first walk from
     the outputs, inputs in order): L U first reaches q, k and then v, so the three large
     uploads come before the block inverse and the state pass (v first met in the state pass
     left the GPU idle during its upload, with those kernels queued behind it)."""
-    return ["qn = mul(qq, rqq);",
-            "lam = mul(matmul(qn, kk, transposeB = true), exp(add(sub(gc, rowa), masko)));",
-            "zz = sub(mul(qn, egc), matmul(lam, wt, transposeB = true));",
+    return ["lam = mul(matmul(qq, kk, transposeB = true), exp(add(sub(gc, rowa), masko)));",
+            "zz = sub(mul(qq, egc), matmul(lam, wt, transposeB = true));",
             "oo = add(matmul(lam, ut, transposeB = true), matmul(zz, sin, transposeB = true));"]
 
 
@@ -222,7 +222,8 @@ def definitions(facts: ScanFacts, chunk: int, chunks: int, suffix: str,
     """The one fragment of a node configuration: ``chunks`` chunks of ``chunk``, the tokens
     zero-padded by ``pad`` (NNEF text; default: the static S up to whole chunks)."""
     pad = pad or str(chunks * chunk - facts.seq)
-    main = (text.prepare_lines(facts, chunk, pad, suffix) + chunk_terms_lines(facts)
+    main = (text.prepare_lines(facts, chunk, pad, suffix, scaled_q=True)
+            + chunk_terms_lines(facts)
             + [line.replace("{n}", str(chunks)) for line in inverse_lines(facts, chunk, leaf)]
             + map_lines() + pass_lines(facts, chunks) + output_lines()
             + text.finish_lines(facts))

@@ -136,8 +136,12 @@ def chunk_lines() -> list[str]:
 def _heads_first(name: str, source: str, rank_tail: int, facts: ScanFacts,
                  flat: bool = False) -> str:
     """[B, n, C, H, ...] -> [n, B*Hk, G or 1, C, ...] (the value-side split when G given);
-    ``flat`` (G = 1): [n, B*H, C, ...]."""
+    ``flat`` (G = 1): [n, B*H, C, ...]. Batch 1 is spelled without the batch axis: tract
+    makes each permutation a chain of axis moves (one GPU copy each), and moving the unit
+    batch axis costs a copy too."""
     hk, g = facts.key_heads, facts.groups
+    if facts.batch == 1:
+        return _heads_first_one(name, source, rank_tail, facts, flat)
     if flat:
         axes = "[1, 0, 3, 2]" if rank_tail == 3 else "[1, 0, 3, 2, 4]"
         return (f"{name} = reshape(transpose({source}, axes = {axes}), shape = [-1],"
@@ -151,6 +155,22 @@ def _heads_first(name: str, source: str, rank_tail: int, facts: ScanFacts,
             " axis_start = 1, axis_count = 2);")
 
 
+def _heads_first_one(name: str, source: str, rank_tail: int, facts: ScanFacts,
+                     flat: bool) -> str:
+    """``_heads_first`` at batch 1: the batch axis dropped, C moved behind the heads (one
+    axis move), the layout's unit G axis added where it has one."""
+    one = f"squeeze({source}, axes = [0])"  # [n, C, H, ...]
+    if flat:
+        axes = "[0, 2, 1]" if rank_tail == 3 else "[0, 2, 1, 3]"
+        return f"{name} = transpose({one}, axes = {axes});"
+    if rank_tail == 1:  # q, k: [n, C, Hk, Dk] -> [n, Hk, 1, C, Dk]
+        return f"{name} = unsqueeze(transpose({one}, axes = [0, 2, 1, 3]), axes = [2]);"
+    split = f"reshape({one}, shape = [{facts.key_heads}, {facts.groups}], axis_start = 2," \
+            " axis_count = 1)"  # [n, C, Hk, G(, Dv)]
+    axes = "[0, 2, 3, 1, 4]" if rank_tail == 2 else "[0, 2, 3, 1]"
+    return f"{name} = transpose({split}, axes = {axes});"
+
+
 def _padded(name: str, source: str, pad: str, tail: str, zero: str, chunk: int) -> list[str]:
     """``name`` = ``source`` [B, S, ...] zero-padded to whole chunks, as [B, n, C, ...]."""
     if pad == "0":
@@ -162,25 +182,29 @@ def _padded(name: str, source: str, pad: str, tail: str, zero: str, chunk: int) 
 
 
 def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
-                  flat: bool = False) -> list[str]:
+                  flat: bool = False, scaled_q: bool = False) -> list[str]:
     """Prologue: normalize/scale, pad, chunk and lay out every operand; the gate terms.
-    ``flat``: without the G axis where G = 1 (``flat_layout``)."""
+    ``flat``: without the G axis where G = 1 (``flat_layout``). ``scaled_q``: q is scaled
+    by scale / |q| before it is padded (``qq`` is then q', and there is no ``rqq``): one
+    operand fewer to pad and lay out, for a text that reads q only through q'."""
     hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
     rank = layout_rank(facts, flat)
     flat = rank == FLAT_RANK
     lines = common.dims_lines() + [
         f"rqs = mul(rsqrt(add(sum_reduce(mul(q, q), axes = [3]), "
         f"{common.literal(common.L2NORM_EPS)})), scale);"]
-    for name, source, tail, zero in (("qp", "q", f", {hk}, {dk}", "zero4"),
-                                     ("rqp", "rqs", f", {hk}, 1", "zero4"),
-                                     ("kp", "k", f", {hk}, {dk}", "zero4"),
-                                     ("vp", "v", f", {hv}, {dv}", "zero4"),
-                                     ("gp", "g", f", {hv}", "zero3"),
-                                     ("bp", "beta", f", {hv}", "zero3")):
+    operands = [("qp", "q", f", {hk}, {dk}", "zero4"), ("rqp", "rqs", f", {hk}, 1", "zero4"),
+                ("kp", "k", f", {hk}, {dk}", "zero4"), ("vp", "v", f", {hv}, {dv}", "zero4"),
+                ("gp", "g", f", {hv}", "zero3"), ("bp", "beta", f", {hv}", "zero3")]
+    layouts = [("qq", "qp", 1), ("rqq", "rqp", 1), ("kk", "kp", 1), ("vv", "vp", 2),
+               ("gg", "gp", 3), ("bb", "bp", 3)]
+    if scaled_q:
+        lines.append("qs = mul(q, rqs);")
+        operands = [("qp", "qs", f", {hk}, {dk}", "zero4")] + operands[2:]
+        layouts = layouts[:1] + layouts[2:]
+    for name, source, tail, zero in operands:
         lines += _padded(name, source, pad, tail, zero, chunk)
-    lines += [_heads_first(name, source, tail, facts, flat) for name, source, tail in
-              (("qq", "qp", 1), ("rqq", "rqp", 1), ("kk", "kp", 1), ("vv", "vp", 2),
-               ("gg", "gp", 3), ("bb", "bp", 3))]
+    lines += [_heads_first(name, source, tail, facts, flat) for name, source, tail in layouts]
     rows, cols = rank - 2, rank - 1
     state = ("reshape(s0, shape = [-1], axis_start = 0, axis_count = 2)" if flat else
              f"reshape(s0, shape = [-1, {facts.groups}], axis_start = 0, axis_count = 2)")
@@ -200,21 +224,30 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
 def finish_lines(facts: ScanFacts, fin: str = "fin", flat: bool = False) -> list[str]:
     """Chunk outputs [n, M, G, C, Dv] back to [B, S, Hv, Dv]; the final state ``fin`` to the
     contract (``flat`` as ``prepare_lines`` was given)."""
-    hk = facts.key_heads
+    hk, hv = facts.key_heads, facts.value_heads
     if flat_layout(facts, flat):  # [n, B*Hv, C, Dv], state [B*Hv, Dk, Dv]
+        final = (f"final = reshape({fin}, shape = [-1, {hv}], axis_start = 0,"
+                 " axis_count = 1);")
+        if facts.batch == 1:
+            return ["o4 = unsqueeze(reshape(transpose(oo, axes = [0, 2, 1, 3]), shape = [-1],"
+                    " axis_start = 0, axis_count = 2), axes = [0]);",
+                    "out = slice(o4, axes = [1], begin = [0], end = [n]);", final]
         return [f"o5 = transpose(reshape(oo, shape = [-1, {hk}], axis_start = 1,"
                 " axis_count = 1), axes = [1, 0, 3, 2, 4]);",
                 "o4 = reshape(o5, shape = [-1], axis_start = 1, axis_count = 2);",
-                "out = slice(o4, axes = [1], begin = [0], end = [n]);",
-                f"final = reshape({fin}, shape = [-1, {facts.value_heads}], axis_start = 0,"
-                " axis_count = 1);"]
+                "out = slice(o4, axes = [1], begin = [0], end = [n]);", final]
+    final = (f"final = reshape({fin}, shape = [-1, {hv}], axis_start = 0,"
+             " axis_count = 2);")
+    if facts.batch == 1:  # [n, Hk, G, C, Dv] -> [n, C, Hk, G, Dv]: one axis move
+        return ["o4 = unsqueeze(reshape(reshape(transpose(oo, axes = [0, 3, 1, 2, 4]),"
+                " shape = [-1], axis_start = 2, axis_count = 2), shape = [-1], axis_start = 0,"
+                " axis_count = 2), axes = [0]);",
+                "out = slice(o4, axes = [1], begin = [0], end = [n]);", final]
     return [f"o6 = transpose(reshape(oo, shape = [-1, {hk}], axis_start = 1, axis_count = 1),"
             " axes = [1, 0, 4, 2, 3, 5]);",
             "o4 = reshape(reshape(o6, shape = [-1], axis_start = 1, axis_count = 2),"
             " shape = [-1], axis_start = 2, axis_count = 2);",
-            "out = slice(o4, axes = [1], begin = [0], end = [n]);",
-            f"final = reshape({fin}, shape = [-1, {facts.value_heads}], axis_start = 0,"
-            " axis_count = 2);"]
+            "out = slice(o4, axes = [1], begin = [0], end = [n]);", final]
 
 
 def scan_loop_lines(per_step: int, suffix: str) -> list[str]:
