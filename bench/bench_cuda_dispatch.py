@@ -216,6 +216,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtimes", nargs="+", default=["cuda", "cpu"])
     parser.add_argument("--torch", action="store_true", help="time torch eager on the GPU too")
+    parser.add_argument("--pool", action="store_true",
+                        help="time the cuda chains again with freed memory kept in the driver's "
+                             "pool (bench/cuda_pool.py)")
     parser.add_argument("--out", type=Path, help="where the JSON of every time is written")
     parser.add_argument("--census", type=Path, nargs="*", default=[],
                         help="NNEF files whose calls are counted op by op (on the first runtime)")
@@ -231,14 +234,23 @@ def main() -> None:
             (args.out / "census.json").write_text(
                 json.dumps({f"{n} S={t}": row for (n, t), row in rows.items()}, indent=1))
     results: dict = {}
+    settings = [(runtime, None) for runtime in args.runtimes]
+    if args.pool and "cuda" in args.runtimes:
+        settings += [("cuda", "kept"), ("cuda", "released")]
     with tempfile.TemporaryDirectory() as tmp:
-        for runtime in args.runtimes:
-            results[f"tract {runtime}"] = {}
+        for runtime, pool in settings:
+            label = f"tract {runtime}" + (f", pool {pool}" if pool else "")
+            if pool:
+                import cuda_pool
+
+                cuda_pool.set_release_threshold(cuda_pool.KEEP_ALL if pool == "kept" else 0)
+            results[label] = {}
             for name in CHAINS:
                 try:
-                    results[f"tract {runtime}"][name] = tract_per_op(Path(tmp), name, runtime)
+                    results[label][name] = tract_per_op(Path(tmp), name, runtime)
                 except Exception as exc:  # a chain tract refuses is shown, not fatal
-                    results[f"tract {runtime}"][name] = {"error": str(exc).splitlines()[0][:80]}
+                    results[label][name] = {"error": str(exc).splitlines()[0][:80]}
+            print(table({label: results[label]}), flush=True)
     if args.torch:
         results["torch eager"] = {name: torch_per_op(name) for name in CHAINS}
     print(table(results))

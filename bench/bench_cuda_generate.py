@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import cuda_pool  # noqa: E402
+
 FAMILIES = ("qwen3_5", "qwen3_next")
 PROMPT, NEW_TOKENS = 37, 32
 PAST = PREFILL = 512
@@ -351,11 +353,14 @@ def guarded(fn, *args) -> dict:
         return {"error": f"{type(error).__name__}: {text[:800]}"}
 
 
-def run(folder: Path, out: Path, parts: set, baselines: tuple = (), rounds: int = 1) -> None:
+def run(folder: Path, out: Path, parts: set, baselines: tuple = (), rounds: int = 1,
+        pool: bool = False) -> None:
     """The parts asked for, on the artifacts of ``folder``; ``baselines``: more 0.8B
     artifacts (another revision's) timed in the same process after this revision's.
     ``rounds`` > 1: the 0.8B artifacts are timed again, in reverse order, then forward, ...
-    (rows "<label> #2", ...), so that a drift of the machine shows against the order."""
+    (rows "<label> #2", ...), so that a drift of the machine shows against the order.
+    ``pool``: the even rounds run with the driver's pool keeping freed memory
+    (bench/cuda_pool.py), the odd ones with its default (released at each synchronization)."""
     out.mkdir(parents=True, exist_ok=True)
     global GPU
     found = dict(gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
@@ -380,6 +385,11 @@ def run(folder: Path, out: Path, parts: set, baselines: tuple = (), rounds: int 
             for label, path in order:
                 if path.exists():
                     key = f"{label or 'tract'} #{again}"
+                    if pool:
+                        kept = again % 2 == 0
+                        key += " pool kept" if kept else " pool released"
+                        print(key, cuda_pool.set_release_threshold(
+                            cuda_pool.KEEP_ALL if kept else 0) or "threshold set", flush=True)
                     found[key] = guarded(time_tract, path)
                     print(table(found[key], found["torch"], key), flush=True)
                     (out / "results.json").write_text(json.dumps(found, indent=1, default=str))
@@ -425,6 +435,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --run: time the 0.8B artifacts this many times, "
                              "alternating their order")
+    parser.add_argument("--pool", action="store_true",
+                        help="with --rounds: even rounds keep freed memory in the driver's pool")
     parser.add_argument("--parts", nargs="+", default=["tiny", "big", "kv"],
                         choices=["tiny", "big", "kv"])
     args = parser.parse_args()
@@ -439,7 +451,7 @@ def main() -> None:
     if args.run:
         global RUNTIME
         RUNTIME = args.runtime
-        run(args.run, args.out, set(args.parts), tuple(args.baseline), args.rounds)
+        run(args.run, args.out, set(args.parts), tuple(args.baseline), args.rounds, args.pool)
 
 
 if __name__ == "__main__":
