@@ -124,7 +124,10 @@ def widths(chunk: int, leaf: int = LEAF) -> list[int]:
     return out
 
 
-def constant_names(chunk: int, leaf: int = LEAF) -> tuple[str, ...]:
+def constant_names(chunk: int, leaf: int = LEAF, whole: bool = False) -> tuple[str, ...]:
+    if whole:
+        return PROLOGUE_CONSTANTS + ("eyec", "eyek", "masko", "strict", "leafm") + tuple(
+            f"lowerleft{b}" for b in widths(chunk, leaf)[1:])
     return PROLOGUE_CONSTANTS + ("eyel", "eyek", "delta2", "masko") + tuple(
         f"mask{b}" for b in widths(chunk, leaf))
 
@@ -138,10 +141,10 @@ def _blocks(name: str, source: str, heads: str, chunk: int, width: int, tail: st
 def inverse_lines(facts: ScanFacts, chunk: int, leaf: int) -> list[str]:
     """T = (I + A)^-1 for every chunk, by block width doubling on real blocks.
 
-    A_ij = beta_i k_i.k_j e^(gamma_i - gamma_j) / (|k_i| |k_j|) below the diagonal: the
-    block stack of width b is matmul(ks_b, k_b^T) * exp(gamma_i - (gamma_j - log rk_j) +
-    mask_b), with ks = beta rk k (rows) and mask_b the leaf's strict lower triangle (b =
-    leaf) or the lower-left (b/2)-block of each b block (0 there, -inf elsewhere)."""
+    A_ij = beta_i k_i.k_j e^(gamma_i - gamma_j) below the diagonal (k normalized): the
+    block stack of width b is matmul(ks_b, k_b^T) * exp(gamma_i - gamma_j + mask_b), with
+    ks = beta k (rows) and mask_b the leaf's strict lower triangle (b = leaf) or the
+    lower-left (b/2)-block of each b block (0 there, -inf elsewhere)."""
     g = facts.groups
     sizes = widths(chunk, leaf)
     lines = []
@@ -149,7 +152,7 @@ def inverse_lines(facts: ScanFacts, chunk: int, leaf: int) -> list[str]:
         lines += [_blocks(f"kb{b}", "kk", "1", chunk, b, str(facts.dk)),
                   _blocks(f"ksb{b}", "ks", str(g), chunk, b, str(facts.dk)),
                   _blocks(f"gcb{b}", "gc", str(g), chunk, b, "1"),
-                  f"grb{b} = reshape(rowa, shape = [-1, {g}, {chunk // b}, 1, {b}]);",
+                  f"grb{b} = reshape(gr, shape = [-1, {g}, {chunk // b}, 1, {b}]);",
                   f"ab{b} = mul(matmul(ksb{b}, kb{b}, transposeB = true),"
                   f" exp(add(sub(gcb{b}, grb{b}), mask{b})));"]
     first = sizes[0]
@@ -162,23 +165,42 @@ def inverse_lines(facts: ScanFacts, chunk: int, leaf: int) -> list[str]:
     return lines + [f"tt = reshape(tb{chunk}, shape = [{{n}}, -1, {g}, {chunk}, {chunk}]);"]
 
 
+def whole_inverse_lines(chunk: int, leaf: int) -> list[str]:
+    """T = (I + A)^-1 for every chunk on whole [C, C] matrices, fewer and larger ops than
+    the block stacks (for the window, bound by launches: bench/RESULTS.md).
+
+    A = matmul(ks, k^T) * dec * strict (dec the causal decays e^(gamma_i - gamma_j), strict
+    the strict lower triangle, 0/1); the leaf blocks (A * leafm, leafm 1 on the diagonal
+    blocks of width leaf) are inverted together by the product form (their powers stay on
+    those blocks), and each doubling to width b is T <- T - T (A * lowerleft_b) T with
+    lowerleft_b 1 on the lower-left (b/2)-block of each diagonal b block: T being block
+    diagonal, T A_b T is exactly the blocks T_22 A_21 T_11 of the 2x2 block step."""
+    sizes = widths(chunk, leaf)
+    lines = ["ab = mul(matmul(ks, kk, transposeB = true), mul(dec, strict));",
+             "al = mul(ab, leafm);"]
+    lines += text.inverse_lines("al", f"tw{sizes[0]}", sizes[0], "eyec", "bi")
+    for b in sizes[1:]:
+        h = b // 2
+        lines.append(f"tw{b} = sub(tw{h}, matmul(matmul(tw{h}, mul(ab, lowerleft{b})),"
+                     f" tw{h}));")
+    return lines + [f"tt = copy(tw{chunk});"]
+
+
 def chunk_terms_lines(facts: ScanFacts) -> list[str]:
     """Per chunk, batched over all chunks, each matmul with its operands contracted on their
-    last axis: K^T, V^T, U^T, W^T, the map (M, B^T), L and Q'."""
-    eps = common.literal(common.L2NORM_EPS)
-    return [f"rk = rsqrt(add(sum_reduce(sqr(kk), axes = [4]), {eps}));",
-            "rkr = transpose(rk, axes = [0, 1, 2, 4, 3]);",
-            "rowa = sub(gr, log(rkr));",
-            "ks = mul(kk, mul(bc, rk));",
+    last axis: K^T, V^T, U^T, W^T, the map (M, B^T), L and Q'. q and k arrive normalized;
+    dec holds the causal decays e^(gamma_i - gamma_j) (0 above the diagonal)."""
+    return ["dec = exp(add(sub(gc, gr), masko));",
+            "ks = mul(kk, bc);",
             "kt = transpose(kk, axes = [0, 1, 2, 4, 3]);",
             "vt = transpose(vv, axes = [0, 1, 2, 4, 3]);"]
 
 
 def map_lines() -> list[str]:
     return ["ut = matmul(mul(vt, br), tt, transposeB = true);",
-            "wt = matmul(mul(kt, mul(br, mul(egr, rkr))), tt, transposeB = true);",
+            "wt = matmul(mul(kt, mul(br, egr)), tt, transposeB = true);",
             "rr = exp(sub(glast, gr));",
-            "krt = mul(kt, mul(rr, rkr));",
+            "krt = mul(kt, rr);",
             "mm = sub(mul(ac, eyek), matmul(krt, wt, transposeB = true));",
             "bt = matmul(ut, krt, transposeB = true);"]
 
@@ -211,25 +233,27 @@ def output_lines() -> list[str]:
     the outputs, inputs in order): L U first reaches q, k and then v, so the three large
     uploads come before the block inverse and the state pass (v first met in the state pass
     left the GPU idle during its upload, with those kernels queued behind it)."""
-    return ["lam = mul(matmul(qq, kk, transposeB = true), exp(add(sub(gc, rowa), masko)));",
+    return ["lam = mul(matmul(qq, kk, transposeB = true), dec);",
             "zz = sub(mul(qq, egc), matmul(lam, wt, transposeB = true));",
             "oo = add(matmul(lam, ut, transposeB = true), matmul(zz, sin, transposeB = true));"]
 
 
 def definitions(facts: ScanFacts, chunk: int, chunks: int, suffix: str,
                 leaf: int = LEAF, pad: Optional[str] = None,
-                base: str = "gdn_fx_chunked_parallel") -> str:
+                base: str = "gdn_fx_chunked_parallel", whole: bool = False) -> str:
     """The one fragment of a node configuration: ``chunks`` chunks of ``chunk``, the tokens
-    zero-padded by ``pad`` (NNEF text; default: the static S up to whole chunks)."""
+    zero-padded by ``pad`` (NNEF text; default: the static S up to whole chunks); the
+    inverse on whole [C, C] matrices where ``whole``, else on block stacks."""
     pad = pad or str(chunks * chunk - facts.seq)
+    inverse = whole_inverse_lines(chunk, leaf) if whole else \
+        [line.replace("{n}", str(chunks)) for line in inverse_lines(facts, chunk, leaf)]
     main = (text.prepare_lines(facts, chunk, pad, suffix, scaled_q=True)
-            + chunk_terms_lines(facts)
-            + [line.replace("{n}", str(chunks)) for line in inverse_lines(facts, chunk, leaf)]
+            + chunk_terms_lines(facts) + inverse
             + map_lines() + pass_lines(facts, chunks) + output_lines()
             + text.finish_lines(facts))
     return common.fragment_text(f"{base}{suffix}",
                                 ["q", "k", "v", "g", "beta", "s0",
-                                 *constant_names(chunk, leaf)],
+                                 *constant_names(chunk, leaf, whole)],
                                 ["out", "final"], main)
 
 
@@ -247,7 +271,8 @@ def block_mask(width: int, leaf: int) -> np.ndarray:
 def constants(facts: ScanFacts, chunk: int, leaf: int = LEAF) -> dict[str, np.ndarray]:
     """The prologue's helpers (cumulative sums, zeros), the leaf and key identities, the 2x2
     identity that places two half blocks on a block's diagonal, the causal mask of the
-    output and the block masks of A."""
+    output and the block masks of A; for the whole-matrix inverse the chunk's identity and
+    its 0/1 masks (strict lower triangle, leaf blocks, lower-left blocks)."""
     sizes = widths(chunk, leaf)
     rows, cols = np.indices((chunk, chunk))
     values = {name: value for name, value in gdn_chunked.constants(chunk, leaf).items()
@@ -257,18 +282,35 @@ def constants(facts: ScanFacts, chunk: int, leaf: int = LEAF) -> dict[str, np.nd
                   delta2=np.eye(2).reshape(1, 2, 1, 2, 1),
                   masko=np.where(rows >= cols, 0.0, -np.inf).reshape(1, 1, 1, chunk, chunk))
     values.update({f"mask{b}": block_mask(b, sizes[0]) for b in sizes})
+    values.update(eyec=np.eye(chunk).reshape(1, 1, 1, chunk, chunk),
+                  strict=(rows > cols).astype(np.float64).reshape(1, 1, 1, chunk, chunk),
+                  leafm=tiled(chunk, sizes[0], lambda r, c: np.ones_like(r, dtype=bool)))
+    values.update({f"lowerleft{b}": tiled(chunk, b, lambda r, c, h=b // 2: (r >= h) & (c < h))
+                   for b in sizes[1:]})
     return values
+
+
+def tiled(chunk: int, width: int, keep) -> np.ndarray:
+    """[1, 1, 1, C, C], 0/1: ``keep(rows, cols)`` inside each diagonal block of ``width``,
+    0 outside the diagonal blocks."""
+    rows, cols = np.indices((chunk, chunk))
+    same = rows // width == cols // width
+    return (same & keep(rows % width, cols % width)).astype(np.float64).reshape(
+        1, 1, 1, chunk, chunk)
 
 
 def emit(ctx: EmitContext) -> list:
     """Write the batched chunks for one node (static S); returns the fragments it needs."""
     chunk = chunk_for(ctx.facts.seq)
-    return _emit(ctx, chunk, -(-ctx.facts.seq // chunk), None, "gdn_fx_chunked_parallel")
+    return _emit(ctx, chunk, -(-ctx.facts.seq // chunk), None, "gdn_fx_chunked_parallel",
+                 whole=STATIC_WHOLE)
 
 
 # --- "chunked_window": a symbolic S of at most WINDOW tokens, padded to the window ----------
 
 WINDOW = 512  # tokens one call may take; the whole window is computed at every S
+WINDOW_WHOLE = True  # the window's inverse on whole [C, C] matrices (fewer launches)
+STATIC_WHOLE = False  # a static S's inverse on block stacks (less GPU work at long S)
 
 
 def check_window(facts: ScanFacts, target: Target) -> Optional[str]:
@@ -307,10 +349,12 @@ def emit_window(ctx: EmitContext) -> list:
     guard broadcast first was moved to the GPU too, measured on an H100). Callers keep to the
     bound the NNEF declares (``gdn_fx_max_tokens``): the Generator refuses a longer call."""
     chunk = chunk_for(WINDOW)
-    return _emit(ctx, chunk, WINDOW // chunk, f"{WINDOW} - n", "gdn_fx_chunked_window")
+    return _emit(ctx, chunk, WINDOW // chunk, f"{WINDOW} - n", "gdn_fx_chunked_window",
+                 whole=WINDOW_WHOLE)
 
 
-def _emit(ctx: EmitContext, chunk: int, chunks: int, pad: Optional[str], base: str) -> list:
+def _emit(ctx: EmitContext, chunk: int, chunks: int, pad: Optional[str], base: str,
+          whole: bool = False) -> list:
     facts = ctx.facts
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work)
@@ -318,9 +362,9 @@ def _emit(ctx: EmitContext, chunk: int, chunks: int, pad: Optional[str], base: s
     values = constants(facts, chunk, leaf)
     consts = [common.scale_variable(ctx, work) if name == "scale" else
               common.variable(ctx, name, values[name], work)
-              for name in constant_names(chunk, leaf)]
+              for name in constant_names(chunk, leaf, whole)]
     name, frag = common.fragment(
-        base, lambda suffix: definitions(facts, chunk, chunks, suffix, leaf, pad, base))
+        base, lambda suffix: definitions(facts, chunk, chunks, suffix, leaf, pad, base, whole))
     out = ctx.tensor("out", facts.shapes["v"], work)
     final = ctx.tensor("final_state", facts.shapes["initial_state"], work)
     ctx.apply_multi(name, operands + consts, (out, final))

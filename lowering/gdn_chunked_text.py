@@ -184,9 +184,10 @@ def _padded(name: str, source: str, pad: str, tail: str, zero: str, chunk: int) 
 def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
                   flat: bool = False, scaled_q: bool = False) -> list[str]:
     """Prologue: normalize/scale, pad, chunk and lay out every operand; the gate terms.
-    ``flat``: without the G axis where G = 1 (``flat_layout``). ``scaled_q``: q is scaled
-    by scale / |q| before it is padded (``qq`` is then q', and there is no ``rqq``): one
-    operand fewer to pad and lay out, for a text that reads q only through q'."""
+    ``flat``: without the G axis where G = 1 (``flat_layout``). ``scaled_q``: q and k are
+    normalized before they are padded (``qq`` is q scale / |q|, ``kk`` is k / |k|, and there
+    is no ``rqq``): one operand fewer to pad and lay out, and no norm folded into the chunk
+    terms, for a text that reads q and k only normalized."""
     hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
     rank = layout_rank(facts, flat)
     flat = rank == FLAT_RANK
@@ -199,8 +200,11 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
     layouts = [("qq", "qp", 1), ("rqq", "rqp", 1), ("kk", "kp", 1), ("vv", "vp", 2),
                ("gg", "gp", 3), ("bb", "bp", 3)]
     if scaled_q:
-        lines.append("qs = mul(q, rqs);")
-        operands = [("qp", "qs", f", {hk}, {dk}", "zero4")] + operands[2:]
+        eps = common.literal(common.L2NORM_EPS)
+        lines += ["qs = mul(q, rqs);",
+                  f"kn = mul(k, rsqrt(add(sum_reduce(mul(k, k), axes = [3]), {eps})));"]
+        operands = [("qp", "qs", f", {hk}, {dk}", "zero4"),
+                    ("kp", "kn", f", {hk}, {dk}", "zero4")] + operands[3:]
         layouts = layouts[:1] + layouts[2:]
     for name, source, tail, zero in operands:
         lines += _padded(name, source, pad, tail, zero, chunk)
@@ -210,7 +214,8 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
              f"reshape(s0, shape = [-1, {facts.groups}], axis_start = 0, axis_count = 2)")
     return lines + [
         f"gr = matmul(unsqueeze(gg, axes = [{rows}]), cum);",  # cumulative sums, as rows
-        f"gc = transpose(gr, axes = {_last_two(rank)});",
+        # as columns: the unit axis moved by reshapes (a transpose is a copy on the GPU)
+        f"gc = unsqueeze(squeeze(gr, axes = [{rows}]), axes = [{cols}]);",
         f"br = unsqueeze(bb, axes = [{rows}]);",
         f"bc = unsqueeze(bb, axes = [{cols}]);",
         "egr = exp(gr);",
