@@ -157,10 +157,11 @@ def torch_per_op(name: str) -> dict:
                 per_op=(times[N_LONG] - times[N_SHORT]) / (N_LONG - N_SHORT))
 
 
-def census(path: Path, runtime: str, tokens: int) -> dict:
+def census(path: Path, runtime: str, tokens: int, past: int = 0) -> dict:
     """One NNEF file's call on ``runtime`` at S = ``tokens``: how many ops of each kind it
     runs (tract's profile), their summed profile time, and the call's median time. Inputs
-    are random, shaped by the file's input facts (every symbol set to ``tokens``)."""
+    are random (token ids below 1000), shaped by the file's input facts: the symbol S is
+    ``tokens``, any other (a generation graph's past P) ``past``."""
     import tract
 
     model = tract.nnef().with_tract_transformers().load(str(path))
@@ -170,8 +171,10 @@ def census(path: Path, runtime: str, tokens: int) -> dict:
     arrays = []
     for fact in runnable.input_facts():
         *dims, dtype = str(fact).split(",")
-        shape = [int(d) if d.isdigit() else tokens for d in dims]
-        arrays.append((rng.standard_normal(shape) / 4).astype({"f16": np.float16, "f32": np.float32}[dtype]))
+        shape = [int(d) if d.isdigit() else tokens if d == "S" else past for d in dims]
+        arrays.append(rng.integers(0, 1000, shape) if dtype == "i64" else
+                      (rng.standard_normal(shape) / 4).astype({"f16": np.float16,
+                                                               "f32": np.float32}[dtype]))
     call_s = median_call(lambda: [t.to_numpy() for t in runnable.run(arrays)])
     kinds: dict = {}
     for node in json.loads(runnable.profile_json(arrays))["nodes"]:
@@ -221,18 +224,21 @@ def main() -> None:
                              "pool (bench/cuda_pool.py)")
     parser.add_argument("--out", type=Path, help="where the JSON of every time is written")
     parser.add_argument("--census", type=Path, nargs="*", default=[],
-                        help="NNEF files whose calls are counted op by op (on the first runtime)")
+                        help="NNEF files whose calls are counted op by op, on the first runtime "
+                             "(instead of the chains)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 128],
                         help="S for --census (every symbol of the file's inputs)")
     args = parser.parse_args()
     if args.census:
-        rows = {(path.name, tokens): census(path, args.runtimes[0], tokens)
-                for path in args.census for tokens in args.tokens}
+        rows = {(f"{path.parent.name}/{path.name}", tokens):
+                census(path, args.runtimes[0], tokens) for path in args.census
+                for tokens in args.tokens}
         print(census_table(rows))
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "census.json").write_text(
                 json.dumps({f"{n} S={t}": row for (n, t), row in rows.items()}, indent=1))
+        return
     results: dict = {}
     settings = [(runtime, None) for runtime in args.runtimes]
     if args.pool and "cuda" in args.runtimes:

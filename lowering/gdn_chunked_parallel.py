@@ -2,13 +2,14 @@
 own terms computed at once (batched over chunks), for tract's CUDA runtime (static S).
 
 With the chunk terms of gdn_chunked_text.py (T = (I + A)^-1, U = T diag(beta) V,
-W = T diag(beta e^gamma / |k|) K, the decays), chunk c maps the state S_c entering it to
+W = T diag(beta e^gamma) K, the decays; q and k l2-normalized before the padding, so K and Q
+below are the normalized keys and queries), chunk c maps the state S_c entering it to
 
     S_{c+1} = M_c S_c + B_c,   M_c = e^gamma_C I - K_r^T W,   B_c = K_r^T U,
 
-K_r = diag(e^(gamma_C - gamma) / |k|) K, and its output is
+K_r = diag(e^(gamma_C - gamma)) K, and its output is
 
-    O_c = (Q' - L W) S_c + L U,   Q' = diag(e^gamma scale / |q|) Q,   L = (Q' K^T * E) / |k|_row
+    O_c = (Q' - L W) S_c + L U,   Q' = diag(e^gamma scale) Q,   L = Q K^T * E scale
 
 (E the causal decay matrix), the sequential form's Q' S + L (U - W S) regrouped so that the
 state meets one matmul.
@@ -22,8 +23,8 @@ What the text is shaped by (tract 0.23.9's CUDA runtime, measured on an H200):
   ([D, C]) where they are right operands, the state as S^T, the products chosen so that
   each result comes out in the layout its reader wants. Only the block inverse's own
   products (T A T) keep a copy.
-- T = (I + A)^-1 is built by doubling the block width (leaf L, then 2L, ... C), each level
-  on its real blocks: A's diagonal blocks of width b come straight from a matmul of the
+- T = (I + A)^-1 is built by doubling the block width (leaf L, then 2L, ... C). For a
+  static S each level works on its real blocks (the window: on whole [C, C] matrices, below): A's diagonal blocks of width b come straight from a matmul of the
   keys reshaped [C/b, b, Dk] (no slice, no mask over a whole [C, C]), the leaf blocks are
   inverted by the product form, and each doubling (T <- T - T A_21 T, the 2x2 block step)
   works on [C/b, b, b] block stacks, the halves placed on the diagonal by a broadcast
@@ -40,7 +41,9 @@ What the text is shaped by (tract 0.23.9's CUDA runtime, measured on an H200):
 
 It serves what "chunked_unrolled" serves (GDN gates, q/k l2norm in the node), any static S.
 
-"chunked_window" is the same text for a symbolic S of at most WINDOW (512) tokens a call:
+"chunked_window" is the same text for a symbolic S of at most WINDOW (512) tokens a call,
+with the inverse on whole [C, C] matrices (``whole_inverse_lines``: the same products with
+0/1 block masks, fewer and larger ops; a window call is bound by launches):
 the tokens are zero-padded to the window (zero k and beta, log decay 0: a padded token leaves
 the state exactly as it is and its output is cut off), so every shape past the padding is
 static. Every call computes the whole window, so it serves only a graph that never runs

@@ -182,6 +182,37 @@ def test_chunked_parallel_matches_float64(tmp_path, s, groups, dtype):
     check_run(path, module, args, 1e-4 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("s, groups", [(300, 2), (2100, 1)])
+def test_chunked_parallel_whole_matrix_inverse_matches_float64(tmp_path, monkeypatch, s,
+                                                                groups):
+    """The whole-matrix inverse (the window's) serves a static S too when asked
+    (``STATIC_WHOLE``; block stacks by default, measured within noise)."""
+    from gdn_fx.lowering import gdn_chunked_parallel as cp
+
+    monkeypatch.setattr(cp, "STATIC_WHOLE", True)
+    module = Fused(16 ** -0.5)
+    args = scan_inputs(s=s, hk=2, groups=groups, dk=16, dv=16)
+    path = export_nnef(torch.export.export(module, args), tmp_path / "cp.nnef", runtime="cuda",
+                       input_names=SCAN_NAMES)
+    assert "lowerleft64" in tract_check.nnef_text(path)
+    check_run(path, module, args, 1e-4)
+
+
+def test_window_inverts_whole_matrices_and_static_s_block_stacks():
+    """Measured on an H100 (bench/RESULTS.md, 2026-12-06 08:20): the window's call is bound by
+    launches and takes the whole-matrix inverse (129 GPU ops a layer against 149); a static
+    S keeps the block stacks (within noise at S = 512 and 4096)."""
+    from gdn_fx.lowering import gdn_chunked_parallel as cp
+
+    assert cp.WINDOW_WHOLE and not cp.STATIC_WHOLE
+    whole = cp.definitions(facts(s=512), 128, 4, "_w", whole=True)
+    blocks = cp.definitions(facts(s=512), 128, 4, "_b")
+    assert "lowerleft128" in whole and "kb16" not in whole
+    assert "kb16" in blocks and "lowerleft" not in blocks
+    # q and k normalized before the padding in both: no key norm folded into the chunk terms
+    assert all("rkr" not in text and "kn = mul(k, rsqrt(" in text for text in (whole, blocks))
+
+
 @pytest.mark.parametrize("groups, dtype, b, dv", [(1, torch.float32, 1, 16),
                                                   (2, torch.float32, 1, 16),
                                                   (1, torch.float16, 1, 16),
