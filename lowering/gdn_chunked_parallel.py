@@ -24,7 +24,8 @@ What the text is shaped by (tract 0.23.9's CUDA runtime, measured on an H200):
   each result comes out in the layout its reader wants. Only the block inverse's own
   products (T A T) keep a copy.
 - T = (I + A)^-1 is built by doubling the block width (leaf L, then 2L, ... C). For a
-  static S each level works on its real blocks (the window: on whole [C, C] matrices, below): A's diagonal blocks of width b come straight from a matmul of the
+  static S each level works on its real blocks (the window: on whole [C, C] matrices,
+  below): A's diagonal blocks of width b come straight from a matmul of the
   keys reshaped [C/b, b, Dk] (no slice, no mask over a whole [C, C]), the leaf blocks are
   inverted by the product form, and each doubling (T <- T - T A_21 T, the 2x2 block step)
   works on [C/b, b, b] block stacks, the halves placed on the diagonal by a broadcast
@@ -231,9 +232,9 @@ def pass_lines(facts: ScanFacts, chunks: int) -> list[str]:
 
 def output_lines() -> list[str]:
     """O = L U + (Q' - L W) S for every chunk (S the state entering it, as S^T; qq is q
-    scale / |q|, scaled before the padding). The
-    operands are in the order tract visits them (its eval order is a depth-first walk from
-    the outputs, inputs in order): L U first reaches q, k and then v, so the three large
+    scale / |q|, scaled before the padding). The operands are in the order tract visits
+    them (its eval order is a depth-first walk from the outputs, inputs in order): L U
+    first reaches q, k and then v, so the three large
     uploads come before the block inverse and the state pass (v first met in the state pass
     left the GPU idle during its upload, with those kernels queued behind it)."""
     return ["lam = mul(matmul(qq, kk, transposeB = true), dec);",
@@ -250,7 +251,7 @@ def definitions(facts: ScanFacts, chunk: int, chunks: int, suffix: str,
     pad = pad or str(chunks * chunk - facts.seq)
     inverse = whole_inverse_lines(chunk, leaf) if whole else \
         [line.replace("{n}", str(chunks)) for line in inverse_lines(facts, chunk, leaf)]
-    main = (text.prepare_lines(facts, chunk, pad, suffix, scaled_q=True)
+    main = (text.prepare_lines(facts, chunk, pad, suffix, normalized_qk=True)
             + chunk_terms_lines(facts) + inverse
             + map_lines() + pass_lines(facts, chunks) + output_lines()
             + text.finish_lines(facts))

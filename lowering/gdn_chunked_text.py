@@ -182,12 +182,12 @@ def _padded(name: str, source: str, pad: str, tail: str, zero: str, chunk: int) 
 
 
 def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
-                  flat: bool = False, scaled_q: bool = False) -> list[str]:
+                  flat: bool = False, normalized_qk: bool = False) -> list[str]:
     """Prologue: normalize/scale, pad, chunk and lay out every operand; the gate terms.
-    ``flat``: without the G axis where G = 1 (``flat_layout``). ``scaled_q``: q and k are
-    normalized before they are padded (``qq`` is q scale / |q|, ``kk`` is k / |k|, and there
-    is no ``rqq``): one operand fewer to pad and lay out, and no norm folded into the chunk
-    terms, for a text that reads q and k only normalized."""
+    ``flat``: without the G axis where G = 1 (``flat_layout``). ``normalized_qk``: q and k
+    are normalized before they are padded (``qq`` is q scale / |q|, ``kk`` is k / |k|, and
+    there is no ``rqq``): one operand fewer to pad and lay out, and no norm folded into the
+    chunk terms, for a text that reads q and k only normalized."""
     hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
     rank = layout_rank(facts, flat)
     flat = rank == FLAT_RANK
@@ -199,7 +199,7 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
                 ("gp", "g", f", {hv}", "zero3"), ("bp", "beta", f", {hv}", "zero3")]
     layouts = [("qq", "qp", 1), ("rqq", "rqp", 1), ("kk", "kp", 1), ("vv", "vp", 2),
                ("gg", "gp", 3), ("bb", "bp", 3)]
-    if scaled_q:
+    if normalized_qk:
         eps = common.literal(common.L2NORM_EPS)
         lines += ["qs = mul(q, rqs);",
                   f"kn = mul(k, rsqrt(add(sum_reduce(mul(k, k), axes = [3]), {eps})));"]
