@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+import common  # noqa: E402
 
 WIDTH = 1024
 N_SHORT, N_LONG = 64, 512
@@ -99,14 +102,7 @@ def load(path: Path, runtime: str):
 
 
 def median_call(call, repeats: int = REPEATS) -> float:
-    call()
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return common.median_seconds(call, repeats, warmup=2)
 
 
 def tract_per_op(folder: Path, name: str, runtime: str) -> dict:

@@ -15,9 +15,7 @@ the aggregate decode speed-up of a batched artifact from above.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,17 +32,6 @@ def _arguments(argv):
     parser.add_argument("--weights", default="f32,q4_0", help="weight formats, e.g. f32")
     parser.add_argument("--calls", type=int, default=15, help="timed calls per sample")
     return parser.parse_args(argv)
-
-
-def _median_seconds(call, calls: int) -> float:
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _tract_sampler(linear, rows: int, weights: str, folder: Path):
@@ -85,11 +72,11 @@ def main(argv=None) -> None:
     table = []
     for name, k, n in MATRICES:
         linear = torch.nn.Linear(k, n, bias=False)
-        eager = {m: _median_seconds(_torch_sampler(linear, m), args.calls) for m in rows_list}
+        eager = {m: common.median_seconds(_torch_sampler(linear, m), args.calls) for m in rows_list}
         for weights in formats:
             found = {}
             for m in rows_list:
-                found[m] = _median_seconds(_tract_sampler(linear, m, weights, folder),
+                found[m] = common.median_seconds(_tract_sampler(linear, m, weights, folder),
                                            args.calls)
             one, eager_one = found[rows_list[0]], eager[rows_list[0]]
             for m in rows_list:

@@ -190,6 +190,13 @@ def median_of(values) -> float:
     return statistics.median(list(values))
 
 
+def median_seconds(call: Callable[[], object], calls: int, warmup: int = 3) -> float:
+    """The median seconds of ``calls`` single calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        call()
+    return median_of(once(call)[0] for _ in range(calls))
+
+
 @dataclass
 class Samples:
     """Per-round seconds-per-call of each candidate, sampled round-robin."""
