@@ -56,7 +56,8 @@ def chain_text(name: str, count: int) -> str:
     dtype, line = CHAINS[name]
     square = f"32, {WIDTH // 32}"
     body = [f"x = tract_core_external(shape = [1, {WIDTH}], datum_type = \"{dtype}\");",
-            "xr = copy(x);", f"xs = reshape(x, shape = [{square}]);", WEIGHT]
+            "xr = copy(x);", f"xs = reshape(x, shape = [{square}]);",
+            *([WEIGHT] if reads_weight(name) else [])]
     previous = "xs" if "transpose" in name else "xr"
     for i in range(count):
         shape, x = (square, "xr") if i % 2 == 0 else (f"1, {WIDTH}", "xs")
@@ -72,10 +73,15 @@ def write_chain(folder: Path, name: str, count: int) -> Path:
     path = folder / f"{name.replace(' ', '_')}_{count}.nnef"
     path.mkdir(parents=True, exist_ok=True)
     (path / "graph.nnef").write_text(chain_text(name, count))
-    if True:  # every chain declares the weight (only the matmul reads it)
+    if reads_weight(name):
         weight = (np.random.default_rng(0).standard_normal((WIDTH, WIDTH)) / WIDTH ** 0.5)
         tract_dat(path / "w.dat", weight.astype(np.float16))
     return path
+
+
+def reads_weight(name: str) -> bool:
+    """Whether chain ``name`` multiplies by the weight ``w`` (then declared and written)."""
+    return "w," in CHAINS[name][1]
 
 
 def tract_dat(path: Path, array: np.ndarray) -> None:

@@ -194,18 +194,17 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
     lines = common.dims_lines() + [
         f"rqs = mul(rsqrt(add(sum_reduce(mul(q, q), axes = [3]), "
         f"{common.literal(common.L2NORM_EPS)})), scale);"]
-    operands = [("qp", "q", f", {hk}, {dk}", "zero4"), ("rqp", "rqs", f", {hk}, 1", "zero4"),
-                ("kp", "k", f", {hk}, {dk}", "zero4"), ("vp", "v", f", {hv}, {dv}", "zero4"),
-                ("gp", "g", f", {hv}", "zero3"), ("bp", "beta", f", {hv}", "zero3")]
-    layouts = [("qq", "qp", 1), ("rqq", "rqp", 1), ("kk", "kp", 1), ("vv", "vp", 2),
-               ("gg", "gp", 3), ("bb", "bp", 3)]
+    norms = ([] if normalized_qk else [("rqp", "rqs", f", {hk}, 1", "zero4")])
     if normalized_qk:
         eps = common.literal(common.L2NORM_EPS)
         lines += ["qs = mul(q, rqs);",
                   f"kn = mul(k, rsqrt(add(sum_reduce(mul(k, k), axes = [3]), {eps})));"]
-        operands = [("qp", "qs", f", {hk}, {dk}", "zero4"),
-                    ("kp", "kn", f", {hk}, {dk}", "zero4")] + operands[3:]
-        layouts = layouts[:1] + layouts[2:]
+    q, k = ("qs", "kn") if normalized_qk else ("q", "k")
+    operands = [("qp", q, f", {hk}, {dk}", "zero4"), *norms,
+                ("kp", k, f", {hk}, {dk}", "zero4"), ("vp", "v", f", {hv}, {dv}", "zero4"),
+                ("gp", "g", f", {hv}", "zero3"), ("bp", "beta", f", {hv}", "zero3")]
+    layouts = [("qq", "qp", 1), *([] if normalized_qk else [("rqq", "rqp", 1)]),
+               ("kk", "kp", 1), ("vv", "vp", 2), ("gg", "gp", 3), ("bb", "bp", 3)]
     for name, source, tail, zero in operands:
         lines += _padded(name, source, pad, tail, zero, chunk)
     lines += [_heads_first(name, source, tail, facts, flat) for name, source, tail in layouts]
