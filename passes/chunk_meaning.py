@@ -39,15 +39,16 @@ from typing import Optional
 import torch
 from torch import fx
 
-from gdn_fx.passes.layouts import (Layout, batch_heads, group_features, layouts_for,
-                                   plan_operands, reference_step)
+from gdn_fx.passes.layouts import (Layout, batch_heads, group_features, input_kind,
+                                   layouts_for, plan_operands, reference_step)
 from gdn_fx.passes.program import (ASSERT_META, ATEN, base_of, dtype, fake_mode_of, is_mutation,
                                    is_pure, is_zeros, shape, view_writes)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
 from gdn_fx.passes.evaluator import (TOLERANCE, Float64, Sampler, Verdict, copy_constant,
-                                     evaluable, exact_scale, fitted_scale, one_scale, rel)
+                                     evaluable, exact_scale, fitted_scale, one_scale, rel,
+                                     wide_problem)
 
 PREFIX = 3  # positions on which every layout is tried before the whole sequence
 END_SCAN = 20000  # nodes after the anchor searched for the region's end
@@ -150,6 +151,10 @@ def plan_chunks_by_meaning(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
                 continue  # nothing around this cumsum is shaped like a chunked region
             if verdict.layout is None:
                 raise NoMatch(_not_delta(verdict))
+            problem = _wide(verdict, facts.order)
+            if problem:
+                raise NoMatch(f"the region from {', '.join(n.name for n in verdict.region[0].inputs)}"
+                              f" is the delta rule at ordinary inputs only: {problem}")
             # an earlier region's output may be this one's operand; its other nodes are gone
             cuts = [v.region[0] for v in proven]
             claimed = taken - {c.value for c in cuts} - {c.final for c in cuts}
@@ -396,6 +401,27 @@ def _decide_cut(cut: Cut, fits: list, facts: Facts) -> Verdict:
         if nearest is None or _closer(verdict, nearest):
             nearest = verdict
     return nearest
+
+
+def _wide(verdict: Verdict, order: dict) -> str:
+    """Why the region, the delta rule under the verdict's layout at the ordinary points, is
+    not it over the wide domain or breaks its linearity in (v, state) (evaluator.py); ''."""
+    (cut, fit), layout = verdict.region, verdict.layout
+    owner = cut.value.graph.owning_module or torch.nn.Module()
+    sampler = Sampler(owner, cut_out(cut, order),
+                      lambda gen: [_draw(shape(n), gen) for n in cut.inputs], "chunk")
+    kinds = ["linear" if n is fit.state else None for n in cut.inputs]
+    for role, index in layout.roles.items():
+        kinds[cut.inputs.index(fit.groups[index][0])] = input_kind(role, layout)
+    linear = [i for i, n in enumerate(cut.inputs)
+              if n is fit.state or n is fit.groups[layout.roles["v"]][0]]
+
+    def error(points) -> float:
+        out, state = _score(layout, fit, cut, points, fit.length, explain=False,
+                            scale=layout.scale)[:2]
+        return out + state
+
+    return wide_problem(sampler, kinds, error, linear, [0, 1])
 
 
 def _leak(cut: Cut, facts: Facts) -> str:

@@ -48,7 +48,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gdn_fx.passes.evaluator import (SEEDS, TOLERANCE, Float64, Sampler, Verdict,
-                                     copy_constant, evaluable, nearest, rel)
+                                     copy_constant, evaluable, nearest, rel, wide_problem)
 from gdn_fx.passes.program import (ASSERT_META, ATEN, add_node, base_of, dtype, fake_mode_of,
                                    is_mutation, is_pure, is_zeros, positions, reachable, shape,
                                    val, view_writes)
@@ -426,10 +426,29 @@ def decide(region: Region) -> Verdict:
         best = min(verdicts, key=_rank)
         best.reason = sampler.named(best.reason)
         return best
-    problem = _native(region, best.layout, module) or _lengths(region, best.layout, module)
+    problem = _wide(region, best.layout, sampler) or _native(region, best.layout, module) or \
+        _lengths(region, best.layout, module)
     if problem:
         return Verdict(None, best.out_error, best.state_error, best.layout, problem, region)
     return best
+
+
+def _wide(region: Region, layout: Layout, sampler: Sampler) -> str:
+    """Why the region, the update under ``layout`` at the ordinary points, is not it over the
+    wide domain or breaks its linearity (evaluator.py): the new state is linear in (x,
+    state) jointly, and so is the output, bias included, without an activation; ''."""
+    kinds = ["linear", "linear", "plain"] + (["linear"] if region.bias is not None else [])
+    exits = [i + 2 for i, node in enumerate(region.exits)
+             if layout.activation is None or layout.exits.get(node, ("state",))[0] != "out"]
+    outputs = ([0] if layout.activation is None else []) + \
+        ([1] if region.state_written else []) + exits
+
+    def error(points) -> float:
+        verdict = _score(region, layout, points)
+        return 0.0 if verdict.layout is not None else verdict.error
+
+    linear = [0, 1] + ([3] if region.bias is not None else [])
+    return wide_problem(sampler, kinds, error, linear, outputs)
 
 
 def _score(region: Region, layout: Layout, draws) -> Verdict:

@@ -105,12 +105,25 @@ class Sampler:
 
     def __init__(self, owner: torch.nn.Module, graph: fx.Graph, draw: Callable, rule: str):
         self.owner, self.graph, self.draw = owner, graph, draw
-        self.gen = torch.Generator().manual_seed(SEEDS[rule])
+        self.seed = SEEDS[rule]
+        self.gen = torch.Generator().manual_seed(self.seed)
         self.switches = switches(graph)
+        self.first: Optional[list] = None
+
+    def run(self, inputs: list):
+        """The region's float64 outputs at ``inputs`` (run on copies); NoMatch naming the
+        node where it turns data into integers (no float64 run can show what that does)."""
+        return Float64(self.owner, graph=self.graph, strict=True).run(
+            *[x.clone() for x in inputs])
 
     def point(self) -> tuple:
         inputs = self.draw(self.gen)
-        return inputs, Float64(self.owner, graph=self.graph).run(*[x.clone() for x in inputs])
+        self.first = self.first or inputs
+        return inputs, self.run(inputs)
+
+    def shapes(self) -> list:
+        """Inputs of the region's shapes (its first drawn point)."""
+        return self.first if self.first is not None else self.draw(torch.Generator())
 
     def points(self, count: int = POINTS) -> list:
         """``count`` drawn points and the covering ones (NoMatch as ``covering_points``)."""
@@ -152,6 +165,21 @@ class Float64(fx.Interpreter):
     """Runs a graph with every floating dtype it names replaced by float64 (the meaning
     rules evaluate regions so, to tell the rule's value from rounding)."""
 
+    def __init__(self, *args, strict: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.data = _data_nodes(self.graph) if strict else set()
+
+    def run_node(self, n):
+        result = super().run_node(n)
+        if n in self.data and isinstance(result, torch.Tensor):
+            lost = _narrowed(n) if result.is_floating_point() else \
+                None if result.dtype is torch.bool else result.dtype
+            if lost is not None:
+                raise NoMatch(f"node {n.name} ({op_name(n)}) turns data values into {lost}: "
+                              "float64 does not show what that rounds away, and the op has "
+                              "no such step", node=n)
+        return result
+
     def call_function(self, target, args, kwargs):
         args = tuple(_wide(a) for a in args)
         kwargs = {k: _wide(v) for k, v in kwargs.items()}
@@ -160,6 +188,36 @@ class Float64(fx.Interpreter):
                 result.dtype is not torch.float64 and not _has_tensor((args, kwargs)):
             result = result.double()  # a factory in the default dtype (zeros without dtype=)
         return result
+
+
+def _narrowed(node: fx.Node) -> Optional[torch.dtype]:
+    """The float dtype ``node`` rounds its data into, as traced, when it is narrower than
+    one of its floating inputs' (an f32 state through f16 and back); None otherwise (also
+    where the trace recorded no dtypes)."""
+    out = _traced_dtype(node)
+    if out is None or not out.is_floating_point:
+        return None
+    for arg in node.all_input_nodes:
+        before = _traced_dtype(arg)
+        if before is not None and before.is_floating_point and \
+                torch.finfo(out).bits < torch.finfo(before).bits:
+            return out
+    return None
+
+
+def _traced_dtype(node: fx.Node) -> Optional[torch.dtype]:
+    value = node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _data_nodes(graph: fx.Graph) -> set:
+    """The nodes computed from the graph's inputs (its placeholders)."""
+    data = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or (node.op in ("call_function", "call_method") and
+                                        any(a in data for a in node.all_input_nodes)):
+            data.add(node)
+    return data
 
 
 def _wide(value):
@@ -444,8 +502,125 @@ def _merge(trial: dict, seen: dict) -> bool:
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|: the relative error every meaning rule compares with its
     tolerance. inf when the shapes differ or either holds a value that is not finite."""
-    if a.numel() != b.numel():
-        return float("inf")
+    if a.numel() != b.numel() or not a.is_floating_point() or not b.is_floating_point():
+        return float("inf")  # a bool or integer result is no value of the op
     error = (a.reshape(b.shape) - b).abs().max().item() / max(b.abs().max().item(), 1e-30) \
         if b.numel() else 0.0
     return error if math.isfinite(error) else float("inf")
+
+
+# --- the wide domain and the laws ----------------------------------------------------------
+#
+# The switch coverage above finds thresholds only in the operations it names. What decides
+# instead, for any operation: the references are exact in float64 for every input, so a
+# region that is the op agrees with them wherever it is drawn, and the op obeys laws that
+# a cap, floor or wrap-around breaks. So, once a layout fits at the ordinary points, the
+# region is drawn again over many decades of magnitude by the role each input plays under
+# that layout (``wide_points``), scored against the reference there, and run at its
+# linear inputs scaled by extreme factors (``law_problem``). A threshold anywhere between
+# 1e-6 and 1e6 of an input (the draws) or between 2^-300 and 2^300 of the state and values
+# (the laws) shows, whatever operation spells it.
+
+WIDE_DRAWS = 4
+# Per-tensor magnitudes, rotated across the draws by the tensor's position so that each
+# tensor meets each of them and a large state meets a tiny value (and the other way
+# round); None: each element's magnitude log-uniform over the whole range.
+WIDE_MAGNITUDES = (1e6, 1e-6, None, 1e3)
+DECADES = (-6.0, 6.0)
+# Exact in binary (scaling by them rounds nothing): a linear region gives a * f(x) for f(a x)
+LAW_FACTORS = (2.0 ** 300, -(2.0 ** -300), -1.0)
+RESET = -1e4  # a log gate that empties the state (exp(-1e4) is 0 in float64)
+
+
+def wide_draw(kind: str, dims, gen: torch.Generator, rotation: int) -> torch.Tensor:
+    """One input of kind ``kind`` over the wide domain, float64.
+
+    linear / free: both signs, magnitude ``WIDE_MAGNITUDES[rotation]``; key: a key that
+    keeps the recurrence contractive (beta |k|^2 <= 1, magnitude 1e-6 .. 1 per draw: past
+    it the rule itself blows up, along a sequence, and no two spellings agree); gate: log
+    gates -1e-6 .. -100 log-uniformly, one element in 8 a reset; decay: exp of one; beta:
+    all of [0, 1], one element in 8 at each end; plain: uniform [-1, 1]."""
+    dims = list(dims)
+    unit = torch.rand(dims, generator=gen, dtype=torch.float64)
+    if kind == "plain":
+        return unit * 2 - 1
+    if kind == "beta":
+        ends = torch.rand(dims, generator=gen, dtype=torch.float64)
+        return torch.where(ends < 0.125, 0.0, torch.where(ends > 0.875, 1.0, unit))
+    if kind in ("gate", "decay"):
+        gate = -(10.0 ** (unit * 8 - 6))
+        resets = torch.rand(dims, generator=gen, dtype=torch.float64) < 0.125
+        gate = torch.where(resets, RESET, gate)
+        return gate if kind == "gate" else gate.exp()
+    signs = torch.rand(dims, generator=gen, dtype=torch.float64) * 2 - 1
+    if kind == "key":
+        width = max(dims + [1])  # at least the key's width, wherever its axis lies
+        level = 10.0 ** (-6 * torch.rand((), generator=gen, dtype=torch.float64).item())
+        return signs * (level / width ** 0.5)
+    magnitude = WIDE_MAGNITUDES[rotation % len(WIDE_MAGNITUDES)]
+    if magnitude is None:
+        lo, hi = DECADES
+        return signs.sign() * 10.0 ** (unit * (hi - lo) + lo)
+    return signs * magnitude
+
+
+def wide_points(sampler: "Sampler", kinds: list, draws: int = WIDE_DRAWS) -> list:
+    """(inputs, float64 outputs) at ``draws`` draws over the wide domain, inputs of the
+    shapes of ``sampler``'s first point and the kinds ``kinds`` (one per input). NoMatch
+    naming the node when the region holds a value float64 cannot carry."""
+    dims = [list(x.shape) for x in sampler.shapes()]
+    gen = torch.Generator().manual_seed(sampler.seed + 7)
+    points = []
+    for d in range(draws):
+        inputs = [wide_draw(kind or "plain", shape_, gen, d + i) for i, (kind, shape_) in
+                  enumerate(zip(kinds, dims))]
+        points.append((inputs, sampler.run(inputs)))
+    return points
+
+
+def law_problem(sampler: "Sampler", point, linear: list, outputs: list) -> str:
+    """Why the region breaks the op's linearity: scaling the inputs at ``linear`` together
+    by each of ``LAW_FACTORS`` must scale each output at ``outputs`` by the same factor
+    ('' when it does). ``point``: (inputs, outputs) of the region."""
+    inputs, base = point
+    base = list(base) if isinstance(base, (tuple, list)) else [base]
+    for factor in LAW_FACTORS:
+        scaled = [x * factor if i in linear else x for i, x in enumerate(inputs)]
+        got = sampler.run(scaled)
+        got = list(got) if isinstance(got, (tuple, list)) else [got]
+        for index in outputs:
+            if got[index] is None or base[index] is None:
+                continue
+            error = rel(got[index], base[index] * factor)
+            if not error <= TOLERANCE:
+                return (f"it is not linear in its state and values, as the op is: scaling "
+                        f"them by {factor:.3g} scales output {index} by another factor "
+                        f"(off by {error:.2g}, relative)")
+    return ""
+
+
+def wide_problem(sampler: "Sampler", kinds: list, score: Callable, linear: list,
+                 outputs: list) -> str:
+    """Why the region, which fits the op at the ordinary points, is not the op over the
+    wide domain ('' when it is): ``score(points)`` is the rule's worst relative error
+    against its reference (under the layout that fitted); the laws as ``law_problem``."""
+    try:
+        points = wide_points(sampler, kinds)
+    except NoMatch:
+        raise
+    except Exception as error:  # noqa: BLE001 (a region that fails where the op does not)
+        return f"it fails on inputs drawn over many decades: {type(error).__name__}"
+    for i, point in enumerate(points):
+        error = score([point])
+        if not error <= TOLERANCE:
+            return (f"it differs from the op by {error:.2g} (relative) on inputs drawn over "
+                    f"many decades ({_describe_draw(kinds, point[0])})")
+    return law_problem(sampler, points[0], linear, outputs)
+
+
+def _describe_draw(kinds: list, inputs: list) -> str:
+    parts = []
+    for kind, x in zip(kinds, inputs):
+        if x.numel() and kind in ("linear", "free", "gate"):
+            parts.append(f"{kind} up to {x.abs().max().item():.0e}")
+    return ", ".join(parts)

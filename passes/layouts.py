@@ -85,6 +85,17 @@ class Layout:
         return f"{state} state, {gate}, scale {self.scale:.6g}{heads}{norm}"
 
 
+def input_kind(role: str, layout: Layout) -> str:
+    """How the wide domain draws the tensor playing ``role`` (evaluator.wide_draw): q free,
+    k free where the op normalizes it (else a contractive key), v linear, the gate a log
+    gate or a decay, beta in [0, 1]."""
+    if role in ("k", "kb"):
+        return "free" if layout.qk_l2norm else "key"
+    if role == "g":
+        return "gate" if layout.log_gate else "decay"
+    return {"q": "free", "v": "linear", "beta": "beta"}[role]
+
+
 def read_shape(group) -> list:
     source, axis = group
     dims = list(shape(source))

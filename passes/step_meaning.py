@@ -23,8 +23,8 @@ from torch import fx
 
 from gdn_fx.passes.evaluator import (POINTS, TOLERANCE, Sampler, Verdict, copy_constant,
                                      evaluable, exact_scale, fitted_scale, nearest, one_scale,
-                                     rel)
-from gdn_fx.passes.layouts import Layout, layouts_for, read_shape, reference_step
+                                     rel, wide_problem)
+from gdn_fx.passes.layouts import Layout, input_kind, layouts_for, read_shape, reference_step
 from gdn_fx.passes.loops import time_read
 from gdn_fx.passes.program import shape
 from gdn_fx.passes.result import NoMatch
@@ -83,10 +83,30 @@ def decide(step, final: Optional[fx.Node], groups: list,
     verdict = _decide_at(points, sampler, candidates, final is not None, expect, search)
     if verdict.layout is not None:
         verdict.layout = verdict.layout.with_scale(exact_scale(verdict.layout.scale, step.body))
+        problem = _wide(sampler, verdict.layout, final is not None)
+        if problem:
+            return Verdict(None, verdict.out_error, max(verdict.state_error, TOLERANCE * 2),
+                           nearest=verdict.layout, reason=problem, node=step.out.name)
     else:
         verdict.reason = sampler.named(verdict.reason or "under no layout its shapes allow: "
                                        f"{verdict.off_by()}")
     return verdict
+
+
+def _wide(sampler: Sampler, layout: Layout, with_state: bool) -> str:
+    """Why the step, which is the delta rule under ``layout`` at the ordinary points, is not
+    it over the wide domain or breaks its linearity in (v, state) (evaluator.py); ''."""
+    kinds = ["linear"] + [None] * (len(sampler.shapes()) - 1)
+    for role, index in layout.roles.items():
+        kinds[1 + index] = input_kind(role, layout)
+
+    def error(points) -> float:
+        verdict = _score(layout, points, with_state)
+        if verdict.layout is None:
+            return verdict.error
+        return 0.0 if one_scale([layout.scale, verdict.layout.scale]) else 1.0
+
+    return wide_problem(sampler, kinds, error, [0, 1 + layout.roles["v"]], [0, 1])
 
 
 def _decide_at(points: list, sampler: Sampler, candidates: list, with_state: bool, expect,

@@ -27,6 +27,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 
 from gdn_fx.ops import fast_scan_kernel
+from gdn_fx.passes.evaluator import Float64
 from gdn_fx.passes.program import graph_module_of, mutates
 from gdn_fx.passes.rebuild import Fusion, rebuild
 from gdn_fx.passes.result import VALIDATION_FAILED, Miss
@@ -36,6 +37,12 @@ from gdn_fx.passes.result import VALIDATION_FAILED, Miss
 BOUNDS = {torch.float64: 1e-5, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 SCALES = (0.5, 0.05)  # input scales tried in turn until the original's outputs are finite
 SEED = 20261201
+# The wide probes (``Validator._wide_probes``): drawn inputs scaled by each of WIDE, and
+# made negative (-|x|) and NEGATIVE times larger; each input alone where at most ALONE.
+WIDE = (1e3, 1e5)
+NEGATIVE = 1e3
+ALONE = 8
+NUDGE = 1e-12  # the relative move of a probe's inputs (float64) that must not move its outputs
 SCAN_OP = torch.ops.gdn_fx.gated_delta_scan.default
 
 
@@ -52,6 +59,7 @@ class Validator:
         self.examples = _user_examples(ep, self.placeholders, examples)
         self.inputs, self.reference, self.failure = None, None, None
         self.finite = []  # per reference tensor: all finite
+        self.wide: Optional[list] = None  # (inputs, reference) at the wide probes
 
     def _run_original(self) -> None:
         """Run the original once (when a first rewrite needs checking: a program with nothing
@@ -75,27 +83,85 @@ class Validator:
         if self.failure:
             return self.failure
         module = graph if isinstance(graph, fx.GraphModule) else fx.GraphModule(self.root, graph)
-        problem = self._compare(module, chunks=True)
+        problem = self._checked(module, self.inputs, self.reference, self.finite)
+        if problem is None:
+            for inputs, reference, what in self._wide_probes():
+                problem = self._checked(module, inputs, reference, None)
+                if problem is not None:
+                    return f"{problem}, on inputs {what}"
+        return problem
+
+    def _checked(self, module, inputs, reference, finite) -> Optional[str]:
+        problem = self._compare(module, inputs, reference, finite, chunks=True)
         if problem is not None and any(n.target is SCAN_OP for n in module.graph.nodes):
             # the verdict is the step-by-step kernel's: the chunked one only speeds up the
             # common case, where it agrees (it rounds differently, so it could err alone)
-            problem = self._compare(module, chunks=False)
+            problem = self._compare(module, inputs, reference, finite, chunks=False)
         return problem
 
-    def _compare(self, module: fx.GraphModule, chunks: bool) -> Optional[str]:
+    def _compare(self, module: fx.GraphModule, inputs, reference, finite,
+                 chunks: bool) -> Optional[str]:
         try:
-            got = self._run(module, chunks)
+            got = self._run(module, chunks, inputs)
         except Exception as error:  # noqa: BLE001 (a rewrite that does not run is wrong)
             return f"the rewritten program fails: {_brief(error)}"
-        if [name for name, _ in got] != [name for name, _ in self.reference]:
+        if [name for name, _ in got] != [name for name, _ in reference]:
             return (f"the rewritten program hands out {len(got)} tensors, not "
-                    f"{len(self.reference)}")
+                    f"{len(reference)}")
+        finite = finite or [None] * len(reference)
         worst = max((_disagreement(g, w, f) + (name,) for (name, g), (_, w), f in
-                     zip(got, self.reference, self.finite)), key=lambda r: r[0])
+                     zip(got, reference, finite)), key=lambda r: r[0])
         error, bound, name = worst
         if error <= bound:
             return None
         return f"translation validation: '{name}' differs by {error:.3g} relative (bound {bound:g})"
+
+    def _wide_probes(self) -> list:
+        """(inputs, reference, what) at inputs far from the probe's: a region that equals
+        the original only at small values (a cap of the state at 1e3, a floor of the gate
+        at -5) differs there, whatever operation spells it. The drawn float inputs are
+        scaled together by each of ``WIDE``, and made negative and large (log gates past
+        -100: resets); where they are few, each alone too. A probe at which the original
+        hands out a value that is not finite is left out (nothing to compare with there)."""
+        if self.wide is not None:
+            return self.wide
+        drawn = [i for i, (node, x) in enumerate(zip(self.placeholders, self.inputs))
+                 if node.name not in self.fixed and node.name not in self.examples and
+                 isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()]
+        changes = [(drawn, f, f"scaled by {f:g}") for f in WIDE] + \
+            [(drawn, -NEGATIVE, f"made negative and {NEGATIVE:g} times larger")]
+        if len(drawn) <= ALONE:
+            names = {i: self.placeholders[i].name for i in drawn}
+            changes += [([i], f, f"with {names[i]} scaled by {f:g}") for i in drawn
+                        for f in (WIDE[-1], -NEGATIVE)]
+        self.wide = []
+        for which, factor, what in changes:
+            inputs = [_changed(x, factor) if i in which else _widened(x)
+                      for i, x in enumerate(self.inputs)]
+            try:
+                reference = self._run(self.root, True, inputs)
+            except Exception:  # noqa: BLE001 (an original that fails there proves nothing)
+                continue
+            if all(_finite(t) for _, t in reference) and \
+                    self._conditioned(inputs, which, reference):
+                self.wide.append((inputs, reference, what))
+        return self.wide
+
+    def _conditioned(self, inputs: list, which: list, reference: list) -> bool:
+        """Whether the original's outputs at ``inputs`` stay within the bounds when the
+        changed inputs move by NUDGE (relative): where they do not (a recurrence that grows
+        without bound at large keys), two correct programs differ by rounding alone, and
+        the probe tells nothing."""
+        generator = torch.Generator().manual_seed(SEED + 1)
+        moved = [x * (1 + NUDGE * (torch.rand(x.shape, generator=generator,
+                                              dtype=torch.float64) * 2 - 1))
+                 if i in which else x for i, x in enumerate(inputs)]
+        try:
+            got = self._run(self.root, True, moved)
+        except Exception:  # noqa: BLE001
+            return False
+        return all(_disagreement(g, w)[0] <= _disagreement(g, w)[1] / 4
+                   for (_, g), (_, w) in zip(got, reference))
 
     def settle(self, name: str, graph: fx.Graph, fusions: list[Fusion]
                ) -> tuple[fx.Graph, list[Fusion], list[Miss]]:
@@ -142,15 +208,18 @@ class Validator:
                 inputs.append(_draw(node, generator, scale))
         return inputs
 
-    def _run(self, module: fx.GraphModule, chunks: bool = True) -> list:
+    def _run(self, module: fx.GraphModule, chunks: bool = True, inputs=None) -> list:
         """What the program hands out, as (label, tensor): its outputs, then each input
         after the run (a copy, unless the program cannot write: ``_may_write``).
-        ``chunks``: whether gated_delta_scan may run chunked."""
+        ``chunks``: whether gated_delta_scan may run chunked; ``inputs``: the probe's."""
         writes = _may_write(module.graph)
+        inputs = self.inputs if inputs is None else inputs
+        wide = inputs is not self.inputs  # a wide probe: run in float64 (evaluator.Float64)
         args = [a.clone() if writes and isinstance(a, torch.Tensor) and n.name not in self.fixed
-                else a for n, a in zip(self.placeholders, self.inputs)]
+                else a for n, a in zip(self.placeholders, inputs)]
+        run = Float64(module).run if wide else _direct_forward(module)
         with torch.inference_mode(), fast_scan_kernel(chunks):  # no autograd bookkeeping
-            outputs = torch.utils._pytree.tree_leaves(_direct_forward(module)(*args))
+            outputs = torch.utils._pytree.tree_leaves(run(*args))
         labelled = [(f"output {i}", t) for i, t in enumerate(outputs)]
         labelled += [(f"input {n.name} after the run", a)
                      for n, a in zip(self.placeholders, args) if n.name not in self.fixed]
@@ -288,6 +357,16 @@ def _draw(node: fx.Node, generator: torch.Generator, scale: float) -> Any:
     if value.dtype == torch.bool:
         return torch.ones(sizes, dtype=torch.bool)
     return torch.zeros(sizes, dtype=value.dtype)
+
+
+def _changed(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` in float64, scaled by ``factor``; made negative first when ``factor`` is."""
+    x = _widened(x)
+    return x * factor if factor > 0 else x.abs() * factor
+
+
+def _widened(x):
+    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 def _finite(tensor: torch.Tensor) -> bool:
