@@ -163,14 +163,22 @@ def one_scale(scales: list, tolerance: float = TOLERANCE) -> bool:
 
 class Float64(fx.Interpreter):
     """Runs a graph with every floating dtype it names replaced by float64 (the meaning
-    rules evaluate regions so, to tell the rule's value from rounding)."""
+    rules evaluate regions so, to tell the rule's value from rounding). ``strict``: a value
+    computed from the inputs that is an integer, or a float narrower than what it was
+    computed from, raises NoMatch naming the node (no float64 run shows what it rounds
+    away); ``rounding``: such a narrower float is rounded as traced instead (translation
+    validation compares whole programs so)."""
 
-    def __init__(self, *args, strict: bool = False, **kwargs):
+    def __init__(self, *args, strict: bool = False, rounding: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.data = _data_nodes(self.graph) if strict else set()
+        self.rounding = rounding
 
     def run_node(self, n):
         result = super().run_node(n)
+        if self.rounding and isinstance(result, torch.Tensor) and result.is_floating_point():
+            low = _narrowed(n)  # a cast down to f16 / bf16 rounds (and overflows) as traced
+            return result if low is None else result.to(low).double()
         if n in self.data and isinstance(result, torch.Tensor):
             lost = _narrowed(n) if result.is_floating_point() else \
                 None if result.dtype is torch.bool else result.dtype
@@ -179,6 +187,11 @@ class Float64(fx.Interpreter):
                               "float64 does not show what that rounds away, and the op has "
                               "no such step", node=n)
         return result
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)  # a module's weight, as traced
+        return value.double() if isinstance(value, torch.Tensor) and \
+            value.is_floating_point() else value
 
     def call_function(self, target, args, kwargs):
         args = tuple(_wide(a) for a in args)

@@ -109,8 +109,10 @@ class Validator:
             return (f"the rewritten program hands out {len(got)} tensors, not "
                     f"{len(reference)}")
         finite = finite or [None] * len(reference)
-        worst = max((_disagreement(g, w, f) + (name,) for (name, g), (_, w), f in
-                     zip(got, reference, finite)), key=lambda r: r[0])
+        # a wide probe runs in float64 and is held to the bounds of the dtypes as traced
+        dtypes = [t.dtype for _, t in self.reference]
+        worst = max((_disagreement(g, w, f, dt) + (name,) for (name, g), (_, w), f, dt in
+                     zip(got, reference, finite, dtypes)), key=lambda r: r[0])
         error, bound, name = worst
         if error <= bound:
             return None
@@ -217,7 +219,7 @@ class Validator:
         wide = inputs is not self.inputs  # a wide probe: run in float64 (evaluator.Float64)
         args = [a.clone() if writes and isinstance(a, torch.Tensor) and n.name not in self.fixed
                 else a for n, a in zip(self.placeholders, inputs)]
-        run = Float64(module).run if wide else _direct_forward(module)
+        run = Float64(module, rounding=True).run if wide else _direct_forward(module)
         with torch.inference_mode(), fast_scan_kernel(chunks):  # no autograd bookkeeping
             outputs = torch.utils._pytree.tree_leaves(run(*args))
         labelled = [(f"output {i}", t) for i, t in enumerate(outputs)]
@@ -378,13 +380,14 @@ def _finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
-def _disagreement(got: torch.Tensor, want: torch.Tensor, finite: Optional[bool] = None
-                  ) -> tuple[float, float]:
+def _disagreement(got: torch.Tensor, want: torch.Tensor, finite: Optional[bool] = None,
+                  traced: Optional[torch.dtype] = None) -> tuple[float, float]:
     """(relative error, bound); an error of inf for a change of shape, dtype or finiteness.
-    ``finite``: whether ``want`` is known to be all finite (tested here when None)."""
+    ``finite``: whether ``want`` is known to be all finite (tested here when None);
+    ``traced``: the dtype whose bound applies (``want``'s when None)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return float("inf"), 0.0
-    bound = BOUNDS.get(want.dtype, 1e-4) if want.is_floating_point() else 0.0
+    bound = BOUNDS.get(traced or want.dtype, 1e-4) if want.is_floating_point() else 0.0
     # most values handed out (inputs left as they were) are equal, or the very tensor (an
     # input that neither program can write is handed back uncopied)
     if got is want or torch.equal(got, want):
