@@ -167,9 +167,13 @@ def _exported(name):
 
 @functools.lru_cache(maxsize=None)
 def _plain_program(key, form):
+    """The plain base of the mutants with this key, in one of FORMS."""
     m = next(m for m in MUTANTS if _plain_key(m) == key)
     if form == "make_fx":
         return _make_fx(m.base_module(), m.args("example"), _is_hop(m))
+    if form != "training":
+        ep = _plain_program(key, "training")
+        return ep.run_decompositions({} if form == "functional" else None)
     return torch.export.export(m.base_module(), clone(m.args("example")))
 
 
@@ -347,6 +351,24 @@ def test_plain_base_still_fuses(name, form):
     for x in (operands(kda=c.kda, seed=3), _wide(c.kda, 4)):
         why = agree(run(result.program, b.args(x)), eager(c.module(), b.args(x)), tol=1e-4)
         assert not why, f"{name} ({form}): collapsed differs ({why}); {report(result)}"
+
+
+_REGION_BASES = {"chunked_wy": ("chunk", "chunked_wy", CHUNK_MUTANTS[0].t),
+                 "conv_cat": ("conv", "cat", None), "conv_roll": ("conv", "roll", None)}
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("base", sorted(_REGION_BASES))
+def test_plain_chunked_and_conv_bases_still_fuse(base, form):
+    """The chunked form and the conv updates the mutants are written into fuse as they are,
+    and the fused program computes them on inputs scaled by 1e4."""
+    key = _REGION_BASES[base]
+    m = next(m for m in MUTANTS if _plain_key(m) == key)
+    result = gdn_fx.collapse(_plain_program(key, form))
+    assert result.counts.get(op_of(m), 0) == 1, report(result)
+    for args in (m.args("example", seed=3), tuple(a * 1e4 for a in m.args("example", seed=4))):
+        why = agree(run(result.program, args), eager(m.base_module(), args), tol=1e-4)
+        assert not why, f"{base} ({form}): collapsed differs ({why}); {report(result)}"
 
 
 @pytest.mark.parametrize("name", [c.name for c in IDENTITY_CONTROLS])

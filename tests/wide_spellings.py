@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-B, T, H, DK, DV = 1, 4, 2, 4, 6
+B, T, H, DK, DV = 1, 3, 2, 4, 6
 
 
 # --- the wide operations ---------------------------------------------------------------------
@@ -642,7 +642,7 @@ STEP_MUTANTS = ([_step(b, "state", w, c) for b, w, c in _STATE]
                 + [_step(b, "gate", w, c) for b, w, c in _GATE]
                 + [_step(b, "beta", w, c) for b, w, c in _BETA]
                 + [_step(b, s, w, c) for b, s, w, c in _SCAN]
-                + [_step("recurrent_hf", "state", "trunc_wrap", 100.0, t=8)])
+                + [_step("recurrent_hf", "state", "trunc_wrap", 100.0, t=6)])
 STEP_MUTANTS = [StepMutant(m.name + ("" if m.t == T else f"_t{m.t}"), m.base, m.site, m.wide,
                            m.c, m.t) for m in STEP_MUTANTS]
 
