@@ -294,16 +294,25 @@ def test_mutant_differs_past_its_threshold(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_mutant_is_not_fused_into_the_plain_op(name, form):
     m = MUTANT[name]
-    result = gdn_fx.collapse(program_of(name, form))
+    program = program_of(name, form)
+    result = gdn_fx.collapse(program)
     fused = result.counts.get(op_of(m), 0)
     crossing = m.args("cross")
-    why = agree(run(result.program, crossing), eager(m.module(), crossing), tol=1e-4)
-    assert not why, f"{m.change} ({form}): the collapsed program differs from the module past " \
-                    f"the threshold ({why}); {report(result)}"
+    got = run(result.program, crossing)
     if m.inside:
         assert fused == 0, f"{m.change} ({form}): fused; {report(result)}"
     if fused == 0:
         assert result.misses, f"{m.change} ({form}): left without a near-miss; {report(result)}"
+    torch_changed = agree(run(program, crossing), eager(m.module(), crossing), tol=1e-4)
+    if torch_changed:  # torch's own decomposition changed what the program computes
+        why = agree(got, run(program, crossing), tol=1e-4)
+        assert not why, f"{m.change} ({form}): the collapsed program differs from the program " \
+                        f"past the threshold ({why}); {report(result)}"
+        pytest.xfail(f"torch: the {form} program is not the module past the threshold "
+                     f"({torch_changed})")
+    why = agree(got, eager(m.module(), crossing), tol=1e-4)
+    assert not why, f"{m.change} ({form}): the collapsed program differs from the module past " \
+                    f"the threshold ({why}); {report(result)}"
 
 
 @pytest.mark.parametrize("form", ["training", "make_fx"])

@@ -14,7 +14,7 @@ no switch list names:
 - relu and |x| by square roots: (y + sqrt(y y)) / 2 of y = x + c;
 - wrap-around by rounding divisions: x - c div(x, c, rounding_mode='trunc'), the floor mode
   and the ``//`` operator shifted by c, c frac(x / c), a cast to int64 and back, a copy_ into
-  an int32 buffer;
+  an int32 tensor, or into an int32 buffer the module registers;
 - overflow detectors: y = (x s).to(float16 / bfloat16), x + (y - y) (nan once y is inf),
   log(exp(x)) past 709.
 
@@ -176,6 +176,20 @@ def _int_buffer_wrap(c):
     return f
 
 
+class IntStateBuffer(nn.Module):
+    """A module's own int32 buffer the size of the state [B, H, Dk, Dv]: each step writes the
+    state / c into it (copy_ truncates toward zero) and takes c times it off the state."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        self.register_buffer("wraps", torch.zeros(B, H, DK, DV, dtype=torch.int32))
+
+    def forward(self, x):
+        self.wraps.copy_(x / self.c)
+        return x - (self.wraps * self.c).to(x.dtype)
+
+
 def _f16_overflow(c):  # nan once x s overflows float16 (65504): s puts that at c
     def f(x):
         y = (x * (65504.0 / c)).to(torch.float16).to(x.dtype)
@@ -230,6 +244,7 @@ WIDES = {w.name: w for w in [
     Wide("frac_wrap", _frac_wrap, "both", "wrap"),
     Wide("int_cast_wrap", _int_cast_wrap, "both", "wrap"),
     Wide("int_buffer_wrap", _int_buffer_wrap, "both", "wrap"),
+    Wide("int_module_buffer_wrap", IntStateBuffer, "both", "wrap"),
     Wide("f16_overflow", _f16_overflow, "both", "overflow"),
     Wide("f16_plain", _f16_plain, "both", "overflow"),
     Wide("bf16_overflow", _bf16_overflow, "both", "overflow"),
@@ -240,13 +255,15 @@ WIDES = {w.name: w for w in [
 NATURAL = {"f16_plain": 65520.0, "log_exp": 709.8}
 
 
-class Edits:
-    """The mutation points of a step: ``at(site, x)`` is x, or the site's operation of x."""
+class Edits(nn.Module):
+    """The mutation points of a step: ``at(site, x)`` is x, or the site's operation of x (a
+    module when it holds a buffer: it is then a submodule of the loop's module)."""
 
     def __init__(self, site: Optional[str] = None, fn: Optional[Callable] = None):
+        super().__init__()
         self.site, self.fn = site, fn
 
-    def __call__(self, site: str, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, site: str, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x) if site == self.site else x
 
 
@@ -600,7 +617,7 @@ _STATE = [
     ("einsum_step", "int_cast_wrap", 100.0), ("bmm_merged", "int_buffer_wrap", 100.0),
     ("value_first", "f16_overflow", 1e3), ("recurrent_hf", "f16_plain", 65504.0),
     ("kda_step", "bf16_overflow", 100.0), ("naive_clones", "log_exp", 709.0),
-    ("kda_step", "tanh_cap", 1e5),
+    ("kda_step", "tanh_cap", 1e5), ("recurrent_hf", "int_module_buffer_wrap", 100.0),
 ]
 _KV = [
     ("naive_clones", "power_cap", 100.0), ("bmm_merged", "trunc_wrap", 100.0),
