@@ -9,6 +9,7 @@ with another signature it is "changed"; the remaining ones are "removed" or "add
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import tarfile
@@ -196,16 +197,55 @@ def _attributes(args: str) -> str:
 
 
 def load_graph(path: Union[str, Path]) -> Any:
-    """A saved program (``.pt2`` from torch.export.save) or an NNEF export, for diffing."""
+    """A saved program (``.pt2`` from torch.export.save) or an NNEF export, for diffing.
+    UnsupportedProgram (one line) for anything else: a ``.pt2`` that is not a zip archive
+    is refused before torch reads it, and torch's own report of a failed read (a logged
+    traceback, warnings) is held back: the one line says it."""
+    import zipfile
+
     path = Path(path)
+    if path.suffix == ".pt2" and path.is_file() and not zipfile.is_zipfile(path):
+        raise UnsupportedProgram(f"{path} is not a saved program (.pt2) or an NNEF export "
+                                 "(folder, .nnef.tar, .nnef.tgz): not a zip archive, as "
+                                 "torch.export.save writes one")
+    logged: list = []
     try:
         if path.suffix == ".pt2":
-            return torch.export.load(str(path))
+            with _quiet_torch_export() as logged:
+                return torch.export.load(str(path))
         return nnef_graph(path)
     except GdnFxError:
         raise
     except Exception as err:  # whatever the reader met: the file is not one of the two
+        err = logged[0] if logged else err  # the reason torch logged, not "see above"
         detail = " ".join(str(err).split())[:200]
         raise UnsupportedProgram(f"{path} is not a saved program (.pt2) or an NNEF export "
                                  f"(folder, .nnef.tar, .nnef.tgz): {type(err).__name__}: "
                                  f"{detail}") from None
+
+
+@contextlib.contextmanager
+def _quiet_torch_export():
+    """torch.export.load without its own reports: the failed deserialization it logs with a
+    traceback (logger ``torch.export``, torch >= 2.13) and its warnings. Yields the list of
+    the exceptions those log records carried (the reason of a failed read)."""
+    import logging
+    import warnings
+
+    logger = logging.getLogger("torch.export")
+    caught: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.exc_info and record.exc_info[1] is not None:
+                caught.append(record.exc_info[1])
+
+    saved = (logger.handlers[:], logger.propagate)
+    logger.handlers[:] = [Keep()]
+    logger.propagate = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield caught
+    finally:
+        logger.handlers[:], logger.propagate = saved
