@@ -43,6 +43,13 @@ A text prompt needs the tokenizer: --model's folder, or the X.text folder that
 "gdn-fx export --model DIR" writes beside X.nnef.tgz. The answer goes to stdout as it is
 decoded, the rates (prefill and decode tokens/s, time to first token) to stderr.
 
+That folder is the checkpoint the run follows on every path, as transformers' generate does:
+the EOS ids of generation_config.json, the context of config.json (max_position_embeddings:
+a prompt that fills it is refused, an answer it cuts says so), and the sampling of
+generation_config.json (do_sample, temperature, top_k, top_p, min_p, repetition_penalty),
+unless a flag overrides it (--greedy: greedy). The sampling used is said on stderr
+("[sampling] ..."). Ctrl-C stops the answer where it is (status 130).
+
 The decode graph beside --nnef (X.decode.nnef.tgz, written by "export --decode-graph") is
 used when there is one; it must carry the main graph's fingerprint. Without it the one graph
 serves decode.""",
@@ -268,16 +275,24 @@ def _not_kept(ok: bool, out: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``gdn-fx`` command; returns the exit status (2: refused input)."""
-    from gdn_fx.errors import GdnFxError
-
-    args = _parser().parse_args(argv)
     try:
-        return _dispatch(args)
-    except GdnFxError as err:  # a refusal with a reason, not a crash
-        from gdn_fx.cli_checks import one_line
+        from gdn_fx.errors import GdnFxError
 
-        print(one_line(err), file=sys.stderr)
-        return 2
+        args = _parser().parse_args(argv)
+        try:
+            return _dispatch(args)
+        except GdnFxError as err:  # a refusal with a reason, not a crash
+            from gdn_fx.cli_checks import one_line
+
+            print(one_line(err), file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:  # Ctrl-C (also while the imports load): one line, no traceback
+        sys.stdout.flush()
+        print("gdn-fx: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return INTERRUPTED
+
+
+INTERRUPTED = 130  # a shell's status for a command ended by SIGINT (128 + 2)
 
 
 def _dispatch(args) -> int:
@@ -366,49 +381,15 @@ def _carry_text_files(job) -> None:
 
 
 def _generate(args) -> int:
-    """Greedy tokens in tract; with --check, against transformers on the same model. Text
-    prompts, sampling, stop strings and --json take the text path (gdn_fx.cli_text)."""
-    from gdn_fx.cli_text import generate_text, uses_text_path
-    from gdn_fx.errors import UsageError
+    """Tokens in tract, as transformers' generate gives them for the checkpoint (its EOS ids,
+    context and sampling); token ids in and out (gdn_fx.cli_text.generate_ids), or text
+    prompts, sampling flags, stop strings and --json (gdn_fx.cli_text.generate_text); with
+    --check, against transformers on the same model."""
+    from gdn_fx.cli_text import generate_ids, generate_text, uses_text_path
 
-    if uses_text_path(args):
-        with _pair_warnings_in_one_line():
-            return generate_text(args)
-    import gc
-
-    from gdn_fx import tract_check
-    from gdn_fx.cli_text import checked_model
-    from gdn_fx.hf.generator import Generator, check_generation
-
-    try:
-        prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-    except ValueError:
-        raise UsageError(f"--prompt-ids must be integers separated by commas, got "
-                         f"{args.prompt_ids!r}") from None
-    if not prompt:
-        raise UsageError("--prompt-ids is empty")
-    if args.check and not (args.family or args.config or args.model_dir):
-        raise UsageError("--check needs the model: --family, --config or --model")
-    if not args.nnef.exists():
-        raise UsageError(f"--nnef {args.nnef} does not exist")
-    chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
+    run = generate_text if uses_text_path(args) else generate_ids
     with _pair_warnings_in_one_line():
-        generator = Generator.open(args.nnef, use_decode=not args.no_decode,
-                                   prefill_chunk=chunk, runtime=args.runtime,
-                                   kv_in_state=args.kv_in_state)
-    result = generator.generate(prompt, args.max_new_tokens, progress=True)
-    print("tokens: " + ",".join(map(str, result.tokens)))
-    print(f"tract: {result.rates()}")
-    if not args.check:
-        return 0
-    del generator  # tract's copy of the weights goes before transformers' comes
-    gc.collect()
-    tract_check.release_freed_memory()
-    model, name = checked_model(args)
-    found = check_generation(model, result)
-    print(f"check against transformers ({name}): {found}")
-    print("OK" if found.ok else "NOT OK")
-    return 0 if found.ok else 1
+        return run(args)
 
 
 if __name__ == "__main__":

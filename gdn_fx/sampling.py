@@ -88,6 +88,148 @@ class Sampling:
         on = {"--top-k": self.top_k != 0, "--top-p": self.top_p < 1, "--min-p": self.min_p > 0}
         return [name for name, used in on.items() if used]
 
+    def values(self) -> dict:
+        """The settings that change the scores, by transformers' names ({} for plain greedy):
+        ``temperature``, ``top_k``, ``top_p``, ``min_p`` when sampling and on,
+        ``repetition_penalty`` when not 1."""
+        found = {}
+        if not self.greedy:
+            found["temperature"] = self.temperature
+            found.update((name, value) for name, value, off in (
+                ("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0),
+                ("min_p", self.min_p, 0.0)) if value != off)
+        if self.repetition_penalty != 1:
+            found["repetition_penalty"] = self.repetition_penalty
+        return found
+
+
+# transformers' GenerationConfig._get_default_generation_params() (5.x): what ``generate``
+# takes for a sampling setting that neither its arguments nor generation_config.json give.
+# min_p has none (None: off).
+TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                         "min_p": None, "repetition_penalty": 1.0}
+SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# generation_config.json settings that change transformers' choice of tokens and that
+# Sampling does not apply, with the value that leaves it off (said, never silently dropped).
+NOT_APPLIED = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+               "no_repeat_ngram_size": 0, "min_new_tokens": None, "min_length": 0,
+               "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+               "sequence_bias": None, "forced_bos_token_id": None,
+               "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+               "num_beams": 1, "penalty_alpha": None, "renormalize_logits": False}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The :class:`Sampling` a run uses and where each of its values came from (a flag, the
+    checkpoint's generation_config.json, transformers' default): ``str()`` is the line the
+    command prints."""
+
+    sampling: Sampling
+    sources: tuple  # ((name, value, source), ...) in SETTINGS order, the ones in use
+    mode_source: str  # what decided greedy or sampling
+    not_applied: tuple = ()  # generation_config.json settings Sampling does not apply
+
+    def __str__(self) -> str:
+        return self.line(self.sampling.seed)
+
+    def line(self, seed: Optional[int] = None) -> str:
+        """What the run uses, each value with its source; ``seed``: the sampler's seed (the
+        one drawn when none was given), said when sampling."""
+        sampling = self.sampling
+        parts = [f"{name} {value:g} ({source})" for name, value, source in self.sources]
+        head = "greedy" if sampling.greedy else "sampling"
+        line = f"{head} ({self.mode_source})" + (": " + ", ".join(parts) if parts else "")
+        if not sampling.greedy and seed is not None:
+            line += f"; seed {seed}" + ("" if sampling.seed is not None else " (drawn)")
+        if self.not_applied:
+            line += ("; not applied: " + ", ".join(f"{name} {value!r}" for name, value
+                                                   in self.not_applied)
+                     + " (generation_config.json)")
+        return line
+
+
+def resolve(config: Optional[dict] = None, *, greedy: bool = False,
+            source: str = "generation_config.json", seed: Optional[int] = None,
+            **flags) -> Resolved:
+    """The sampling of a run, settled as transformers' ``generate`` settles it: a value the
+    user gives (``flags``: temperature, top_k, top_p, min_p, repetition_penalty; None: not
+    given) wins, then the checkpoint's ``config`` (generation_config.json's values, None
+    when the checkpoint has none), then transformers' defaults (:data:`TRANSFORMERS_DEFAULTS`:
+    greedy; when sampling temperature 1, top_k 50). Without ``config`` (no checkpoint) a
+    setting not given is off, and sampling is what the flags ask.
+
+    Greedy or sampling: ``greedy=True`` asks for greedy (``do_sample=False``: the repetition
+    penalty still applies, as in transformers' greedy ``generate``); a temperature of 0 is
+    greedy, a temperature > 0 samples; else ``do_sample`` of ``config``. When greedy, the
+    filters and the temperature of ``config`` are not used (transformers applies them only
+    when sampling); a filter the user gives then is refused (Sampling's check). ``source``
+    names the config in messages. UsageError (one line, naming the flag or the file) for a
+    value out of range."""
+    unknown = set(flags) - set(SETTINGS)
+    if unknown:
+        raise UsageError(f"resolve: unknown settings {sorted(unknown)}")
+    given = {name: value for name, value in flags.items() if value is not None}
+    if greedy and given.get("temperature", 0) != 0:
+        raise UsageError("--greedy and --temperature > 0 exclude each other (greedy takes the "
+                         "most likely token)")
+    file = dict(config or {})
+    if greedy:
+        do_sample, mode = False, "--greedy"
+    elif "temperature" in given:
+        do_sample, mode = given["temperature"] > 0, "--temperature"
+    elif config is not None and file.get("do_sample") is not None:
+        do_sample, mode = bool(file["do_sample"]), f"{source}: do_sample " + \
+            str(bool(file["do_sample"])).lower()
+    else:
+        do_sample = False
+        mode = (f"{source} sets no do_sample: transformers' default" if config is not None
+                else "the default: no checkpoint's generation_config.json")
+    values, sources = {}, []
+    for name in SETTINGS:
+        if name in given:
+            value, where = given[name], "--" + name.replace("_", "-")
+        elif not do_sample and name != "repetition_penalty":
+            continue  # greedy: no temperature, no filters (transformers skips the warpers)
+        elif config is not None and file.get(name) is not None:
+            value, where = file[name], source
+        elif config is not None and TRANSFORMERS_DEFAULTS[name] is not None:
+            value, where = TRANSFORMERS_DEFAULTS[name], "transformers' default"
+        else:
+            continue
+        values[name] = value
+        sources.append((name, value, where))
+    if do_sample and values.get("temperature", 1.0) == 0:
+        raise UsageError(f"{source} asks for sampling (do_sample true) at temperature 0, "
+                         "which transformers refuses: give --temperature T > 0 or --greedy")
+    if not do_sample:
+        values.pop("temperature", None)
+    elif "temperature" not in values:
+        values["temperature"] = 1.0  # sampling asked without one (no checkpoint)
+    try:
+        sampling = Sampling(**values, seed=seed)
+    except UsageError as error:
+        where = {name: source for name, _, source in sources}
+        raise UsageError(spelled_as_given(str(error), where)) from None
+    off = {"temperature": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+           "repetition_penalty": 1.0}
+    shown = tuple((name, value, where) for name, value, where in sources
+                  if (name == "temperature" and do_sample)
+                  or (name != "temperature" and value not in (off[name], None)))
+    missing = tuple((name, file[name]) for name, neutral in NOT_APPLIED.items()
+                    if name in file and file[name] is not None and file[name] != neutral)
+    return Resolved(sampling, shown, mode, missing)
+
+
+def spelled_as_given(text: str, sources: dict) -> str:
+    """A Sampling message about a setting (it starts with its name) spelled with where the
+    value came from (``sources``: name -> "--flag" or a file name)."""
+    for name, where in sources.items():
+        if text.startswith(name + " "):
+            return (where + text[len(name):] if where.startswith("--")
+                    else f"{where}: {text}")
+    return text
+
 
 def penalize(scores: torch.Tensor, context: Sequence[int], penalty: float) -> torch.Tensor:
     """Repetition penalty (CTRL's): every distinct id of ``context`` inside the vocabulary

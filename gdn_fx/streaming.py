@@ -13,7 +13,9 @@ The loop is the Generator's own (one tract State per graph, caches carried from 
 call: ``Generator.prefill`` then ``Generator.step`` on the decode graph), with the next token
 chosen by :class:`gdn_fx.sampling.Sampler` (greedy by default) instead of a bare arg max.
 Generation ends at ``max_new_tokens``, at an EOS id (the EOS token is the last token, as in
-transformers' ``generate``; its text is not shown) or at a stop string (text up to it only).
+transformers' ``generate``; its text is not shown), at a stop string (text up to it only), or
+where the prompt and the answer fill the model's context (``finish_reason`` "context", which
+the summary's ``rates()`` says).
 The same loop runs a transformers model in torch (:class:`TorchSession`), which is what the
 tests check the tract run against.
 """
@@ -47,11 +49,15 @@ class Summary:
     prompt: list
     tokens: list = field(default_factory=list)
     text: str = ""
-    finish_reason: str = ""  # "eos", "stop" or "length"
+    # "eos", "stop", "length" (max_new_tokens), "context" (the model's context is full:
+    # fewer tokens than asked), or "interrupted" (Ctrl-C)
+    finish_reason: str = ""
     seed: Optional[int] = None  # the sampler's seed (None when greedy)
     prefill_s: float = 0.0
     first_token_s: float = 0.0  # from the start of the stream to the first token chosen
     decode_s: float = 0.0  # the decode calls (one per token after the first)
+    context: Optional[int] = None  # the model's context (max_position_embeddings), if known
+    asked: Optional[int] = None  # the max_new_tokens asked for (more than fit when cut)
 
     def rates(self) -> str:
         """One line: prefill and decode tokens/s, time to first token, why it ended."""
@@ -61,7 +67,15 @@ class Summary:
         return (f"prefill {len(self.prompt)} tokens in {self.prefill_s * 1e3:.1f} ms "
                 f"({prefill:.1f} tokens/s); first token after {self.first_token_s * 1e3:.1f} "
                 f"ms; decode {steps} tokens in {self.decode_s * 1e3:.1f} ms ({decode:.1f} "
-                f"tokens/s); {len(self.tokens)} new tokens, ended by {self.finish_reason}")
+                f"tokens/s); {len(self.tokens)} new tokens, {self.ending()}")
+
+    def ending(self) -> str:
+        """Why it ended, in words (the context's cut says what was cut)."""
+        if self.finish_reason == "context":
+            return (f"cut by the context: the prompt's {len(self.prompt)} tokens and "
+                    f"{len(self.tokens)} new fill the model's {self.context} "
+                    f"(max_position_embeddings); {self.asked} were asked")
+        return f"ended by {self.finish_reason}"
 
     def as_dict(self) -> dict:
         """The summary as JSON-ready values, with the rates in tokens/s."""
@@ -167,14 +181,17 @@ class TextStream:
 
     def __init__(self, session, prompt: list, tokenizer, max_new_tokens: int,
                  sampler: Sampler, eos: Sequence[int], stop: Sequence[str],
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, context: Optional[int] = None):
         self.session, self.tokenizer, self.sampler = session, tokenizer, sampler
         self.logits: Optional[list] = [] if keep_logits else None  # raw, one [vocab] a step
-        self.max_new_tokens, self.eos = max_new_tokens, set(int(e) for e in eos)
+        self.eos = set(int(e) for e in eos)
+        # the context caps the tokens: the prompt and the answer fit in it
+        self.max_new_tokens = max_new_tokens if context is None else min(
+            max_new_tokens, context - len(prompt))
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopStrings(stop)
         seed = None if sampler.sampling.greedy else sampler.seed
-        self.summary = Summary(list(prompt), seed=seed)
+        self.summary = Summary(list(prompt), seed=seed, context=context, asked=max_new_tokens)
         self._pieces = self._run()
 
     def __iter__(self) -> Iterator[Piece]:
@@ -194,12 +211,26 @@ class TextStream:
             return ""
         return self.stops.feed(self.detokenizer.finish()) + self.stops.finish()
 
+    def interrupted(self) -> str:
+        """End the stream where it is (Ctrl-C): ``finish_reason`` "interrupted", and the text
+        held back so far (an incomplete character, a possible start of a stop string) given
+        out as what remains to print."""
+        self._pieces.close()
+        if self.summary.finish_reason:
+            return ""
+        self.summary.finish_reason = "interrupted"
+        rest = self._flush()
+        self.summary.text += rest
+        return rest
+
     def _ended(self, token: int, count: int) -> str:
         if token in self.eos:
             return "eos"
         if self.stops.stopped is not None:
             return "stop"
-        return "length" if count == self.max_new_tokens else ""
+        if count == self.max_new_tokens:
+            return "context" if count < self.summary.asked else "length"
+        return ""
 
     def _run(self) -> Iterator[Piece]:
         summary, begin = self.summary, time.perf_counter()
@@ -238,8 +269,9 @@ def stream(source, prompt: Union[str, Sequence[int]], *, tokenizer=None,
     Generator, a transformers model, or a session with ``start`` / ``next``), one
     :class:`Piece` per token as it is chosen. ``eos``: ids that end it (the id is kept as the
     last token); ``stop``: strings that end it (the text stops before them; needs a
-    tokenizer); ``context``: the model's context length: a longer prompt is refused, and
-    generation stops at it; ``keep_logits``: the raw logits of every step are kept in the
+    tokenizer); ``context``: the model's context length: a prompt that fills it is refused,
+    and generation stops at it (``finish_reason`` "context" when that is before
+    ``max_new_tokens``); ``keep_logits``: the raw logits of every step are kept in the
     stream's ``logits`` (for ``check_generation``). Arguments are checked before any model
     call (one-line UsageError): an empty prompt, ids outside the vocabulary,
     ``max_new_tokens < 1``."""
@@ -250,9 +282,14 @@ def stream(source, prompt: Union[str, Sequence[int]], *, tokenizer=None,
     if stop and tokenizer is None:
         raise UsageError("stop strings need a tokenizer (they are matched on the text)")
     if context is not None:
-        if len(ids) >= context:
-            raise UsageError(f"the prompt is {len(ids)} tokens, and the model's context is "
-                             f"{context} (max_position_embeddings): shorten the prompt")
-        max_new_tokens = min(max_new_tokens, context - len(ids))
+        check_context(ids, context)
     return TextStream(session, ids, tokenizer, max_new_tokens, Sampler(sampling), eos, stop,
-                      keep_logits)
+                      keep_logits, context)
+
+
+def check_context(ids: Sequence[int], context: int, name: str = "the prompt") -> None:
+    """UsageError (one line) when ``ids`` leave no room in the model's ``context`` for a
+    new token: the prompt and the answer must fit in it."""
+    if len(ids) >= context:
+        raise UsageError(f"{name} is {len(ids)} tokens, and the model's context is "
+                         f"{context} (max_position_embeddings): shorten the prompt")

@@ -104,15 +104,31 @@ def _config_value(config: dict, key: str):
 
 def eos_ids(folder: Union[str, Path], tokenizer=None) -> list:
     """The end-of-sequence ids that end generation, where transformers' ``generate`` takes
-    them: generation_config.json's ``eos_token_id`` (an id or a list), else config.json's,
-    else the tokenizer's EOS token; [] when none says."""
+    them: generation_config.json's ``eos_token_id`` (an id or a list) when the folder has
+    that file (transformers then reads nothing else: an empty list or none there is no EOS);
+    else config.json's; else the tokenizer's EOS token; [] when none says."""
     folder = Path(folder)
-    for source in (_json(folder / "generation_config.json"), _json(folder / "config.json")):
-        found = _ids(_config_value(source, "eos_token_id"))
-        if found:
-            return found
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        return _ids(_config_value(_json(generation), "eos_token_id"))
+    found = _ids(_config_value(_json(folder / "config.json"), "eos_token_id"))
+    if found:
+        return found
     eos = getattr(tokenizer, "eos_token_id", None)
     return _ids(eos)
+
+
+def generation_values(folder: Union[str, Path]) -> Optional[dict]:
+    """The values of the folder's generation_config.json (what transformers' ``generate``
+    starts from: do_sample, temperature, top_k, ...), None when it has none; CheckpointError
+    for a file that is not a JSON object."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return None
+    values = _json(path)
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return values
 
 
 def context_length(folder: Union[str, Path]) -> Optional[int]:

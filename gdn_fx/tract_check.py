@@ -53,6 +53,49 @@ def runtime_unavailable(runtime: str) -> Optional[str]:
     return None
 
 
+ERROR_LIMIT = 1500  # characters of tract's error kept in a one-line message
+
+
+def error_text(error: BaseException, limit: int = ERROR_LIMIT) -> str:
+    """tract's error as one line: its message and its whole chain of causes ("Caused by:
+    0: ... 1: ..."), without the stack backtrace, joined by " / ". Past ``limit`` characters
+    causes in the middle give way to "...", never the last one, the root cause (e.g. "8: 3
+    should be equal to 14"), nor the first line (the operation that failed). Only those two
+    are ever cut inside: the first line when it would take more than half of
+    the room the root cause leaves, the root cause when it alone is longer than ``limit``."""
+    text = str(error).split("Stack backtrace")[0]
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    lines = [line for line in lines if line and line != "Caused by:"]
+    if not lines:
+        return type(error).__name__
+    joined = " / ".join(lines)
+    if len(joined) <= limit or len(lines) == 1:
+        return joined if len(joined) <= limit else _cut(joined, limit)
+    head, root = lines[0], _cut(lines[-1], limit)
+    room = limit - len(root) - len(" / ... / ")
+    if len(head) > room // 2:
+        head = _cut(head, max(room // 2, 40))
+    room -= len(head)
+    kept: list = []
+    for line in reversed(lines[1:-1]):  # the causes next to the root first
+        if len(line) + 3 > room:
+            break
+        kept.insert(0, line)
+        room -= len(line) + 3
+    middle = ["..."] if len(kept) < len(lines) - 2 else []
+    return " / ".join([head, *middle, *kept, root])
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters (at a space in its last quarter, if any), "..."
+    marking the cut."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    space = cut.rfind(" ")
+    return (cut[:space] if space >= limit * 3 // 4 else cut) + " ..."
+
+
 def load(path: Union[str, Path], runtime: str = "cpu", transforms: Sequence[str] = (),
          names: Optional[list] = None):
     """The NNEF at ``path`` (folder, .tar or .tgz) loaded and optimized by tract for

@@ -286,8 +286,7 @@ def decode_problem(path: Path, main: Path, step: DecodeStep, weights: str = "f32
                 return (f"at P = {past} it differs from eager in {len(bad)} of "
                         f"{len(found.errors)} outputs: {', '.join(bad)}")[:600]
     except Exception as error:  # noqa: BLE001 (tract's errors: any failure drops the graph)
-        lines = [line for line in str(error).splitlines() if line.strip()]
-        return f"tract fails on it: {' / '.join(lines[:3])[:300]}"
+        return f"tract fails on it: {tract_check.error_text(error, 600)}"
     return ""
 
 
@@ -429,6 +428,7 @@ class LoadedGraph:
     bounds: tuple  # ((symbol, operator, value), ...)
     properties: dict  # gdn_fx_* properties: fingerprint, vocab, decode
     logits_width: int  # the last axis of the first output (the vocabulary, for old exports)
+    input_names: tuple = ()  # every input as tract names them (also those not declared above)
 
     @property
     def fingerprint(self) -> Optional[str]:
@@ -484,7 +484,7 @@ def load_graph(path: Union[str, Path], runtime: str = "cpu",
     properties = {key: value for key, value in _PROPERTY.findall(text)}
     logits = str(runnable.output_fact(0)).split(",")
     width = int(logits[-2]) if len(logits) >= 2 and logits[-2].isdigit() else 0
-    return LoadedGraph(path, runnable, text, inputs, bounds, properties, width)
+    return LoadedGraph(path, runnable, text, inputs, bounds, properties, width, tuple(names))
 
 
 _PROPERTY = re.compile(r'\(\s*"(gdn_fx_\w+)"\s*,\s*"([^"]*)"\s*\)')
@@ -495,10 +495,58 @@ def _dim(text: str) -> Union[int, str]:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
-def _first_lines(error: BaseException, count: int = 3) -> str:
-    """An error's text without tract's stack backtrace, its first non-empty lines joined."""
-    text = str(error).split("Stack backtrace")[0]
-    return " / ".join(line.strip() for line in text.splitlines() if line.strip())[:300]
+def _first_lines(error: BaseException) -> str:
+    """An error's text without tract's stack backtrace, on one line: its whole chain of
+    causes, the root cause kept when it is long (``tract_check.error_text``)."""
+    from gdn_fx import tract_check
+
+    return tract_check.error_text(error)
+
+
+# DecodeStep's attention caches (gdn_fx.hf.states.KINDS: key, value, indexer_key), whose
+# past axis is P in a generation-ready export and a number in a one-step export.
+PAST_INPUT = re.compile(r"(key|value|indexer_key)_\d+")
+WRITES_ONE = "`gdn-fx export` without --seq-len writes one"
+
+
+def generation_problem(graph: LoadedGraph) -> str:
+    """Why ``graph`` is not the main graph of a generation-ready export ('' when it is): it
+    must take ``input_ids [B, S]`` (i64, S symbolic) first, then its caches, attention caches
+    over a symbolic past, and give the logits and one new state per cache. A one-step
+    export (--seq-len N, --dynamic-seq), an export's decode graph alone or an NNEF of
+    another program would run wrong or fail inside tract (a Rust backtrace)."""
+    if not graph.inputs:  # none declared as gdn-fx declares its inputs (tract_core_external)
+        if not graph.input_names:
+            return "it takes no inputs"
+        return (f"its first input is {graph.input_names[0]} "
+                f"({graph.runnable.input_fact(0)}), where a generation-ready export takes "
+                "input_ids [B, S] i64, then its caches (an NNEF of another program)")
+    name, dims, datum = graph.inputs[0]
+    if name != "input_ids" or len(dims) != 2 or datum != "i64":
+        return (f"its first input is {graph.describe(0)}, where a generation-ready export "
+                "takes input_ids [B, S] i64, then its caches (an NNEF of another program)")
+    tokens = dims[1]
+    if isinstance(tokens, int):
+        if graph.fingerprint and DECODE not in graph.properties:
+            return (f"it is the decode graph of an export (input_ids [{dims[0]}, {tokens}]): "
+                    "give the main graph it was written beside")
+        return (f"it takes {tokens} token(s) per call after a past of fixed length "
+                f"(input_ids [{dims[0]}, {tokens}]): a one-step export (gdn-fx export "
+                f"--seq-len {tokens})")
+    fixed = [index for index, (name, dims, _) in enumerate(graph.inputs)
+             if PAST_INPUT.fullmatch(name) and all(isinstance(d, int) for d in dims)]
+    if fixed:
+        return (f"its caches hold a past of fixed length ({graph.describe(fixed[0])}): a "
+                "one-step export with a symbolic sequence (gdn-fx export --seq-len N "
+                "--dynamic-seq)")
+    try:
+        outputs = graph.runnable.output_count()
+    except Exception:  # noqa: BLE001 (a runtime's runnable without the count: not checked)
+        return ""
+    if outputs != len(graph.inputs):
+        return (f"it gives {outputs} outputs for {len(graph.inputs)} inputs, where a "
+                "generation-ready export gives the logits and one new state per cache")
+    return ""
 
 
 def check_pair(main: LoadedGraph, decode: LoadedGraph) -> None:
@@ -518,6 +566,13 @@ def check_pair(main: LoadedGraph, decode: LoadedGraph) -> None:
         has, lacks = (main, decode) if main.fingerprint else (decode, main)
         raise ArtifactMismatch(f"{has.path} carries a fingerprint and {lacks.path} none: "
                                "not the two graphs of one export; re-export both")
+    if len(decode.inputs) and len(decode.inputs[0][1]) == 2 and \
+            not isinstance(decode.inputs[0][1][1], int):
+        same = Path(decode.path).resolve() == Path(main.path).resolve()
+        what = ("the main graph itself" if same else
+                f"a main graph (it takes {decode.describe(0)}), not an S = 1 decode graph")
+        raise ArtifactMismatch(f"the decode graph {decode.path} is {what}: leave it out "
+                               "(Generator(main); one graph serves prefill and decode)")
     _check_same_inputs(main, decode)
     if main.fingerprint is None:
         warnings.warn(f"{main.path} and {decode.path} carry no fingerprint (written before "
@@ -536,19 +591,22 @@ def _check_same_inputs(main: LoadedGraph, decode: LoadedGraph) -> None:
         if index == 0:  # input_ids [B, S] against [B, 1]
             want = (want[0], want[1][:-1] + (1,), want[2])
         if want != got:
+            name, dims, datum = want
+            expected = f"{name} [{', '.join(map(str, dims))}] {datum}"
             raise ArtifactMismatch(
-                f"the decode graph {decode.path} declares {decode.describe(index)}, the main "
-                f"graph {main.path} {main.describe(index)}: graphs of other shapes; re-export "
-                "both")
+                f"the decode graph {decode.path} declares {decode.describe(index)}, where "
+                f"the main graph {main.path} needs {expected}: graphs of other shapes; "
+                "re-export both")
     if main.logits_width != decode.logits_width:
         raise ArtifactMismatch(f"the decode graph {decode.path} gives {decode.logits_width} "
                                f"logits, the main graph {main.path} {main.logits_width}")
 
 
-def prompt_list(prompt_ids) -> list:
+def prompt_list(prompt_ids, serves: str = "") -> list:
     """``prompt_ids`` (token ids: a list, array or tensor; ``[[...]]`` for a batch of one) as
     a list of ints. UsageError for anything but a non-empty list of ints; InputUnsupported
-    for several prompts (batching does not exist yet)."""
+    for several prompts (a one-sequence artifact serves one; ``serves`` names it in the
+    message, e.g. " for x.nnef.tgz, a one-sequence export")."""
     if isinstance(prompt_ids, (torch.Tensor, np.ndarray)):
         prompt_ids = prompt_ids.tolist()
     if isinstance(prompt_ids, (str, bytes, Mapping)) or not hasattr(prompt_ids, "__iter__"):
@@ -557,8 +615,12 @@ def prompt_list(prompt_ids) -> list:
     items = list(prompt_ids)
     if items and all(isinstance(x, (list, tuple)) for x in items):
         if len(items) > 1:
-            raise InputUnsupported(f"batching is not supported yet: got {len(items)} prompts; "
-                                   "call generate once per prompt")
+            raise InputUnsupported(f"batching is not supported yet: got {len(items)} prompts"
+                                   f"{serves or ' for a one-sequence export'}, which serves "
+                                   "one sequence per call: call "
+                                   "generate once per prompt, or export with `gdn-fx export "
+                                   "--batch N` (export_generator(..., batch=N)), whose "
+                                   "BatchGenerator serves N sequences per call")
         items = list(items[0])
     for index, item in enumerate(items):
         if isinstance(item, bool) or not isinstance(item, numbers.Integral):
@@ -609,6 +671,10 @@ class Generator:
             raise ArtifactError(f"{main} is a batched artifact (B = "
                                 f"{self.main_graph.properties['gdn_fx_batch']}): run it with "
                                 "gdn_fx.hf.batch.BatchGenerator")
+        problem = generation_problem(self.main_graph)
+        if problem:
+            raise ArtifactError(f"{main} is not a generation-ready export: {problem}; "
+                                f"{WRITES_ONE}")
         self.decode_graph = load_graph(decode, runtime) if decode else self.main_graph
         if decode:
             check_pair(self.main_graph, self.decode_graph)
@@ -685,8 +751,10 @@ class Generator:
                              f"{ids.dtype} of shape {list(ids.shape)}")
         batch, length = graph.inputs[0][1] if len(graph.inputs[0][1]) == 2 else (None, None)
         if isinstance(batch, int) and ids.shape[0] != batch:
-            raise InputUnsupported(f"batching is not supported yet: {graph.path} takes "
-                                   f"{batch} sequence per call, got {ids.shape[0]}")
+            raise InputUnsupported(f"batching is not supported yet: {graph.path} is a "
+                                   f"one-sequence export ({batch} sequence per call), got "
+                                   f"{ids.shape[0]}; `gdn-fx export --batch N` writes one "
+                                   "that serves N (gdn_fx.hf.batch.BatchGenerator)")
         if isinstance(length, int) and ids.shape[1] != length:
             raise UsageError(f"{graph.path} takes {length} token(s) per call, got "
                              f"{ids.shape[1]}")
@@ -720,7 +788,7 @@ class Generator:
         _check_caches(caches, graph)
         if self.kv_in_state and any(isinstance(c, np.ndarray) for c in caches):
             state = self.main = self.decode = self.main_graph.runnable.spawn_state()
-        outputs = state.run([ids, *caches])
+        outputs = _run(state, [ids, *caches], graph)
         return outputs[0].to_numpy()[:, -1], outputs[1:]
 
     def prefill(self, ids: np.ndarray, caches: list) -> tuple[np.ndarray, list]:
@@ -748,7 +816,8 @@ class Generator:
         Refused in one line before tract runs: several prompts (InputUnsupported), an empty
         prompt, an id outside ``[0, vocab)``, ``max_new_tokens < 1``, a past longer than the
         graphs declare (UsageError)."""
-        prompt = prompt_list(prompt_ids)
+        prompt = prompt_list(prompt_ids, f" for {self.main_graph.path}, a one-sequence "
+                             "export")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
                 or max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -773,6 +842,18 @@ class Generator:
         if progress:
             print(file=sys.stderr)
         return result
+
+
+def _run(state, inputs: list, graph: LoadedGraph) -> list:
+    """``state.run(inputs)``; a TractError (a graph that fails on inputs it declares) as a
+    one-line ArtifactError with tract's chain of causes, not a Rust backtrace."""
+    import tract
+
+    try:
+        return state.run(inputs)
+    except tract.TractError as error:
+        raise ArtifactError(f"tract fails running {graph.path}: {_first_lines(error)}"
+                            ) from None
 
 
 def _in_vocabulary(prompt: list, vocab: int) -> list:
@@ -909,7 +990,8 @@ def check_generation(model: nn.Module, result: GenerationResult,
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
                              max_new_tokens=len(result.tokens), min_new_tokens=0,
                              do_sample=False, eos_token_id=None, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)
+                             repetition_penalty=1.0, output_logits=True,
+                             return_dict_in_generate=True)
     hf_tokens = out.sequences[0, prompt.shape[1]:].tolist()
     steps = min(len(result.logits), len(out.logits))
     tied = ()
