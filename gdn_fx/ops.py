@@ -6,6 +6,10 @@
     initial_state [B, Hv, Dk, Dv]. If qk_l2norm, q and k are l2-normalized (eps 1e-6); q is then
     scaled by ``scale``. Returns (out [B, T, Hv, Dv] in promote_types(q, initial_state),
     final_state in initial_state's dtype). Computed in f32 (f64 if an operand is f64).
+    A gate may be any log decay down to -inf: g_t = -inf (or any g_t whose e^g_t is 0 in the
+    work dtype, e.g. -1e4, -1e9) is a state RESET, decay exactly 0: the state before step t is
+    forgotten, and the result is the recurrence restarted from a zero state at t. Never NaN
+    (as long as the state before it is finite); every kernel and lowering agrees with this.
 
 ``torch.ops.gdn_fx.causal_conv1d_update(x, conv_state, weight, bias, activation)``
     x [B, C, T]; conv_state [B, C, K]; weight [C, K]; bias [C] or None; activation None/"silu".
@@ -86,7 +90,10 @@ def gated_delta_scan(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
     *, scale: float, qk_l2norm: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Gated delta rule over the whole sequence: one op for the unrolled loop."""
+    """Gated delta rule over the whole sequence: one op for the unrolled loop.
+
+    ``g`` is the log decay; a gate of -inf is a reset (decay 0, never NaN): the module
+    docstring has the contract."""
     check_scan_operands(q, k, v, g, beta, initial_state)
     kernel = _scan_fast if FAST_KERNEL.on else _scan_math
     return kernel(q, k, v, g, beta, initial_state, scale=scale, qk_l2norm=qk_l2norm)
@@ -154,7 +161,9 @@ def _chunks(q, k, v, g, beta, state):
     it, the deltas U solve (I + L) U = beta (V - e^c K S), L[t, j] = beta_t e^(c_t - c_j)
     k_t.k_j (j < t); the outputs are e^c Q S + (Q K^T * e^(c_t - c_j), j <= t) U. Every decay
     is a ratio e^(c_t - c_j) with j <= t, the product of the gates between, as the steps
-    multiply them, so nothing grows that the steps do not grow.
+    multiply them, so nothing grows that the steps do not grow. The cumulative gate is kept
+    in two exact parts (``gate_parts``), so a reset gate (-1e9, -inf) neither swamps the
+    small gates after it nor makes a NaN.
     """
     q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, H, T, D]: each
     # block's rows are whole matrices for the matmuls
@@ -162,21 +171,42 @@ def _chunks(q, k, v, g, beta, state):
     out = v.new_empty(v.shape)
     for s in range(0, v.shape[2], CHUNK):
         qc, kc, vc = (x[:, :, s:s + CHUNK] for x in (q, k, v))
-        c, bc = g[:, :, s:s + CHUNK].cumsum(-1), beta[:, :, s:s + CHUNK]
-        n = c.shape[-1]
-        later = torch.ones(n, n, dtype=torch.bool, device=c.device).triu(1)
-        decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()
-        grow = c.exp().unsqueeze(-1)  # [B, H, n, 1]
+        whole, frac = (part.cumsum(-1) for part in gate_parts(g[:, :, s:s + CHUNK]))
+        bc = beta[:, :, s:s + CHUNK]
+        n = whole.shape[-1]
+        later = torch.ones(n, n, dtype=torch.bool, device=g.device).triu(1)
+        pairs = ((frac.unsqueeze(-1) - frac.unsqueeze(-2))
+                 + (whole.unsqueeze(-1) - whole.unsqueeze(-2)))  # c_t - c_j, each part exact
+        decay = pairs.masked_fill(later, float("-inf")).exp()
+        grow = (frac + whole).exp().unsqueeze(-1)  # [B, H, n, 1]
         mix = bc.unsqueeze(-1) * (kc @ kc.transpose(-1, -2)) * decay
-        eye = torch.eye(n, dtype=c.dtype, device=c.device)
+        eye = torch.eye(n, dtype=g.dtype, device=g.device)
         rhs = bc.unsqueeze(-1) * (vc - (grow * kc) @ state)
         deltas = torch.linalg.solve_triangular(mix.tril(-1) + eye, rhs, upper=False,
                                                unitriangular=True)
         reads = (qc @ kc.transpose(-1, -2)) * decay
         out[:, :, s:s + CHUNK] = (grow * qc) @ state + reads @ deltas
-        tail = (c[..., -1:] - c).exp().unsqueeze(-1)  # e^(c_last - c_j)
+        tail = ((frac[..., -1:] - frac) + (whole[..., -1:] - whole)).exp().unsqueeze(-1)
         state = grow[:, :, -1:] * state + (tail * kc).transpose(-1, -2) @ deltas
     return out.transpose(1, 2).contiguous(), state
+
+
+# A log gate below this is a reset in any float dtype the kernels compute in: e^GATE_FLOOR is 0
+# in f32 (and e^-104 already is); clamping to it changes no decay, and it keeps -inf out of
+# the sums (-inf - -inf is NaN). Chunk sums of it stay exact integers (64 * 1024 << 2^24).
+GATE_FLOOR = -1024.0
+
+
+def gate_parts(g: Tensor) -> tuple[Tensor, Tensor]:
+    """(whole, frac): the log gate clamped at GATE_FLOOR, split into its ceiling (an integer,
+    whose cumulative sums within a chunk are exact in f32) and the rest, in (-1, 0].
+    Cumulative differences c_t - c_j are then the exact integer difference plus a difference
+    of fraction sums, which a reset gate (-1e9, -inf) never enters: in one cumulative sum the
+    small gates after a reset would round against it (ulp(1024) ~ 1e-4). Gates in (-1, 0]
+    have whole part 0: their sums are what they were."""
+    clamped = g.clamp(min=GATE_FLOOR)
+    whole = clamped.ceil()
+    return whole, clamped - whole
 
 
 @gated_delta_scan.register_fake

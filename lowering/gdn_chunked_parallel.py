@@ -155,10 +155,12 @@ def inverse_lines(facts: ScanFacts, chunk: int, leaf: int) -> list[str]:
     for b in sizes:
         lines += [_blocks(f"kb{b}", "kk", "1", chunk, b, str(facts.dk)),
                   _blocks(f"ksb{b}", "ks", str(g), chunk, b, str(facts.dk)),
-                  _blocks(f"gcb{b}", "gc", str(g), chunk, b, "1"),
-                  f"grb{b} = reshape(gr, shape = [-1, {g}, {chunk // b}, 1, {b}]);",
+                  *(line for part in ("f", "w") for line in (
+                      _blocks(f"{part}cb{b}", f"{part}c", str(g), chunk, b, "1"),
+                      f"{part}rb{b} = reshape({part}r, shape = [-1, {g}, {chunk // b}, 1,"
+                      f" {b}]);")),
                   f"ab{b} = mul(matmul(ksb{b}, kb{b}, transposeB = true),"
-                  f" exp(add(sub(gcb{b}, grb{b}), mask{b})));"]
+                  f" {text.pair_decay(f'cb{b}', f'rb{b}', f'mask{b}')});"]
     first = sizes[0]
     lines += text.inverse_lines(f"ab{first}", f"tb{first}", first, "eyel", "bi")
     for b in sizes[1:]:
@@ -194,7 +196,7 @@ def chunk_terms_lines(facts: ScanFacts) -> list[str]:
     """Per chunk, batched over all chunks, each matmul with its operands contracted on their
     last axis: K^T, V^T, U^T, W^T, the map (M, B^T), L and Q'. q and k arrive normalized;
     dec holds the causal decays e^(gamma_i - gamma_j) (0 above the diagonal)."""
-    return ["dec = exp(add(sub(gc, gr), masko));",
+    return [f"dec = {text.pair_decay('c', 'r', 'masko')};",
             "ks = mul(kk, bc);",
             "kt = transpose(kk, axes = [0, 1, 2, 4, 3]);",
             "vt = transpose(vv, axes = [0, 1, 2, 4, 3]);"]
@@ -203,7 +205,7 @@ def chunk_terms_lines(facts: ScanFacts) -> list[str]:
 def map_lines() -> list[str]:
     return ["ut = matmul(mul(vt, br), tt, transposeB = true);",
             "wt = matmul(mul(kt, mul(br, egr)), tt, transposeB = true);",
-            "rr = exp(sub(glast, gr));",
+            f"rr = {text.pair_decay('last', 'r')};",
             "krt = mul(kt, rr);",
             "mm = sub(mul(ac, eyek), matmul(krt, wt, transposeB = true));",
             "bt = matmul(ut, krt, transposeB = true);"]

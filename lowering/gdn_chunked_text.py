@@ -10,6 +10,11 @@ the chunk is, from the state S entering it:
     delta = U - W S                     o = e^gamma_row * (q S) + (q k^T * E) delta
     S' = e^gamma_C S + k^T (e^(gamma_C - gamma) * delta)
 
+The cumulative log decays are held in two exact parts (``gate_lines``: the gate clamped at
+-1024, its integer ceiling and the rest), and every e^(gamma_i - gamma_j) is taken part by part
+(``pair_decay``), so a reset gate (-1e9, -inf: decay 0) neither rounds away the small gates
+after it nor makes a NaN (docs/FACTS.md, "Reset gates").
+
 T is built by 2x2 blocks: the two diagonal blocks (C/2 wide) are inverted together (again by
 blocks, down to a leaf width where the product above takes over), the off-diagonal one is
 -T22 A21 T11. Everything is exact algebra: no triangular solve (NNEF has none), no
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 from gdn_fx.lowering import gdn_fast_common as common
 from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.ops import GATE_FLOOR
 
 CHUNK_INPUTS = ("q", "rq", "k", "v", "e", "tt", "br", "egc", "egr", "rk", "rkr", "r", "ac")
 CHUNK_SOURCES = ("qq", "rqq", "kk", "vv", "e", "tt", "br", "egc", "egr", "rk", "rkr", "r", "ac")
@@ -114,7 +120,7 @@ def inverse_part_lines(chunk: int, leaf: int, rank: int = RANK) -> list[str]:
     return ["kkt = matmul(kk, kk, transposeB = true);",
             f"rk = rsqrt(add(sum_reduce(mul(kkt, eyec), axes = [{rank - 1}]), {eps}));",
             f"rkr = transpose(rk, axes = {_last_two(rank)});",
-            "e = exp(add(sub(gc, gr), neg));",
+            f"e = {pair_decay('c', 'r', 'neg')};",
             "a = mul(mul(kkt, mul(e, strict)), mul(bc, mul(rk, rkr)));",
             *block_inverse_lines("a", "tt", chunk, rank, leaf)]
 
@@ -211,18 +217,42 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
     rows, cols = rank - 2, rank - 1
     state = ("reshape(s0, shape = [-1], axis_start = 0, axis_count = 2)" if flat else
              f"reshape(s0, shape = [-1, {facts.groups}], axis_start = 0, axis_count = 2)")
-    return lines + [
-        f"gr = matmul(unsqueeze(gg, axes = [{rows}]), cum);",  # cumulative sums, as rows
-        # as columns: the unit axis moved by reshapes (a transpose is a copy on the GPU)
-        f"gc = unsqueeze(squeeze(gr, axes = [{rows}]), axes = [{cols}]);",
+    return lines + gate_lines(chunk, rank) + [
         f"br = unsqueeze(bb, axes = [{rows}]);",
         f"bc = unsqueeze(bb, axes = [{cols}]);",
-        "egr = exp(gr);",
-        "egc = exp(gc);",
-        f"glast = slice(gc, axes = [{rows}], begin = [{chunk - 1}], end = [{chunk}]);",
-        "r = exp(sub(glast, gc));",
-        "ac = exp(glast);",
         f"st0 = {state};"]
+
+
+def gate_lines(chunk: int, rank: int) -> list[str]:
+    """The gate terms from the laid-out log gates ``gg`` [.., C]: the cumulative sums in two
+    exact parts (gdn_fx.ops.gate_parts: the gate clamped at GATE_FLOOR, its ceiling ``w`` and
+    the rest ``f``), as rows (``wr``, ``fr``) and columns (``wc``, ``fc``); e^gamma as rows
+    and columns (``egr``, ``egc``: the parts added, where a reset before t makes gamma <=
+    -1024 and e^gamma 0 however it rounds), ``r`` = e^(gamma_C - gamma) and ``ac`` =
+    e^gamma_C. A difference of cumulative sums is always taken part by part (``pair_decay``):
+    in one sum the small gates after a reset would round against its -1024 (ulp 1.2e-4), and
+    -inf - -inf is NaN."""
+    rows, cols = rank - 2, rank - 1
+    floor = common.literal(GATE_FLOOR)
+    lines = [f"gq = max(gg, {floor});", "gw = ceil(gq);", "gf = sub(gq, gw);"]
+    for part in ("w", "f"):  # cumulative sums as rows; as columns the unit axis moved by
+        # reshapes (a transpose is a copy on the GPU)
+        lines += [f"{part}r = matmul(unsqueeze(g{part}, axes = [{rows}]), cum);",
+                  f"{part}c = unsqueeze(squeeze({part}r, axes = [{rows}]), axes = [{cols}]);",
+                  f"{part}last = slice({part}c, axes = [{rows}], begin = [{chunk - 1}],"
+                  f" end = [{chunk}]);"]
+    return lines + ["egr = exp(add(fr, wr));",
+                    "egc = exp(add(fc, wc));",
+                    f"r = {pair_decay('last', 'c')};",
+                    "ac = exp(add(flast, wlast));"]
+
+
+def pair_decay(late: str, early: str, mask: str = "") -> str:
+    """The NNEF expression e^(gamma_late - gamma_early) (+ ``mask``, an additive 0 / -inf
+    mask), the difference taken part by part (``gate_lines``): ``late`` and ``early`` name the
+    forms of the parts ("c" columns, "r" rows, "last", or block stacks "cb16" ...)."""
+    diff = f"add(sub(f{late}, f{early}), sub(w{late}, w{early}))"
+    return f"exp(add({diff}, {mask}))" if mask else f"exp({diff})"
 
 
 def finish_lines(facts: ScanFacts, fin: str = "fin", flat: bool = False) -> list[str]:
