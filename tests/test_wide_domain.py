@@ -2,9 +2,9 @@
 (issue 54, round 3 of the held-out corpora).
 
 For every mutant of ``wide_spellings`` (a saturation, log-sum-exp floor, square-root relu,
-rounding-division wrap, integer cast or low-float overflow at one site of a delta-rule step,
-a KDA step, a ``scan`` loop, a chunked form or a conv update: spelled with none of the
-operations a switch list names):
+rounding-division wrap, integer cast, low-float overflow, stray epsilon, flush to zero or
+0 / 0 at one site of a delta-rule step, a KDA step, a ``scan`` loop, a chunked form or a conv
+update: spelled with none of the operations a switch list names):
 
 - the corpus is honest (eager torch, float64, no gdn_fx): each base is the delta rule / the
   conv update (references written here); each mutant equals its base within 1e-6 on ordinary
@@ -16,7 +16,10 @@ operations a switch list names):
   mutant computes on crossing inputs (a fusion that kept the operation outside the scan
   passes, a fusion into the plain op does not). Inside the recurrence (the state, the memory
   read, the delta, the chunked form's carried state and cumulative gate) nothing can keep the
-  operation outside a fused scan: nothing may fuse, and a near-miss must say why;
+  operation outside a fused scan: nothing may fuse, and a near-miss must say why. (Where
+  torch's own decomposition already changed what the program computes, the collapse must keep
+  what it was given, and the case is an xfail naming torch.) Comparisons are relative to
+  each output's largest magnitude, at every scale (tiny ones included);
 - ``gdn_fx.compare_programs(plain loop, mutant)`` does not say they are the same.
 
 Controls: the unmodified bases fuse in every form (one op each) and compute the loop on wide
@@ -92,7 +95,8 @@ def scale_of(base) -> float:
 
 def agree(got, want, tol) -> str:
     """'' when the outputs agree (nan and inf entries in the same places, finite ones within
-    ``tol`` of the largest finite magnitude, at least 1), else what differs."""
+    ``tol`` of the largest finite magnitude: relative at every scale, tiny ones included),
+    else what differs."""
     got, want = flat(got), flat(want)
     if len(got) != len(want):
         return f"{len(got)} outputs, expected {len(want)}"
@@ -107,7 +111,7 @@ def agree(got, want, tol) -> str:
             return f"output {i}: inf in different places"
         finite = b.isfinite() & a.isfinite()
         if finite.any():
-            size = max(b[finite].abs().max().item(), 1.0)
+            size = max(b[finite].abs().max().item(), 1e-300)
             err = (a[finite] - b[finite]).abs().max().item()
             if err > tol * size:
                 return f"output {i}: differs by {err / size:.3g} relative"
@@ -207,7 +211,8 @@ def test_the_corpus_covers_every_site_and_region():
     assert {m.site for m in STEP_MUTANTS if m.kda} >= {"state", "gate", "kv", "delta", "beta"}
     assert {m.site for m in CHUNK_MUTANTS} == {"state", "cumgate"}
     assert {m.site for m in CONV_MUTANTS} >= {"pre", "written", "window"}
-    assert {w.kind for w in WIDES.values()} == {"cap", "floor", "window", "wrap", "overflow"}
+    assert {w.kind for w in WIDES.values()} == {"cap", "floor", "window", "wrap", "overflow",
+                                                "tiny", "exact"}
     state_ops = {m.wide for m in STEP_MUTANTS if m.site == "state"}
     unused = set(WIDES) - {m.wide for m in MUTANTS}
     assert not unused, unused
@@ -222,10 +227,14 @@ def test_mutant_is_spelled_without_a_switch(name):
                 if isinstance(gm, torch.fx.GraphModule) for n in gm.graph.nodes
                 if n.op == "call_function" and str(n.target).startswith("aten.")}
 
-    extra = ops(_exported(name)) - ops(_plain_program(_plain_key(MUTANT[name]), "training"))
-    switches = {op for op in extra if op.split(".")[0] in SWITCH_OPS}
+    def calls(ep):
+        return sum(1 for gm in ep.graph_module.modules() if isinstance(gm, torch.fx.GraphModule)
+                   for n in gm.graph.nodes if n.op == "call_function")
+
+    mutant, plain = _exported(name), _plain_program(_plain_key(MUTANT[name]), "training")
+    switches = {op for op in ops(mutant) - ops(plain) if op.split(".")[0] in SWITCH_OPS}
     assert not switches, f"{name}: {sorted(switches)}"
-    assert extra, f"{name}: the graph gained no operation"
+    assert calls(mutant) > calls(plain), f"{name}: the graph gained no operation"
 
 
 @pytest.mark.parametrize("base", sorted(BASES))

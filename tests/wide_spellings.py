@@ -16,7 +16,14 @@ no switch list names:
   and the ``//`` operator shifted by c, c frac(x / c), a cast to int64 and back, a copy_ into
   an int32 tensor, or into an int32 buffer the module registers;
 - overflow detectors: y = (x s).to(float16 / bfloat16), x + (y - y) (nan once y is inf),
-  log(exp(x)) past 709.
+  log(exp(x)) past 709;
+- the other end of the scale: a stray epsilon x + 1e-9, a dead zone x - c tanh(x / c), a
+  flush to zero x (1 - exp(-(x / c)^2)): invisible at ordinary magnitudes, everything at
+  tiny ones;
+- exact values no random draw hits: x (x / x) (nan at exactly 0: a zero initial state makes
+  k^T S exactly 0; a log gate of exactly 0; a beta of exactly 0), x + 0 log(1 - x) (nan at a
+  beta of exactly 1);
+- a soft cap on each head's state norm (not elementwise).
 
 (None of clamp, clip, where, min, max, minimum, maximum, relu, a comparison, abs, sign, floor,
 round, fmod, remainder, nan_to_num or masked_fill is written here; ``test_wide_domain`` checks
@@ -57,8 +64,10 @@ class Wide:
     """An operation that is the identity (within 1e-7 relative) well inside a threshold c and
     not beyond it: ``make(c)(x)``.
 
-    ``sides``: where it acts: 'both' (|x| beyond c), 'low' (x below -c), 'high' (x above c).
-    ``kind``: what it does there (cap, floor, window, wrap, overflow)."""
+    ``sides``: where it acts: 'both' (|x| beyond c), 'low' (x below -c), 'high' (x above c),
+    'tiny' (|x| well under c), 'zero' / 'one' (x exactly 0 / 1).
+    ``kind``: what it does there (cap, floor, window, wrap, overflow; tiny: a stray epsilon or
+    a flush to zero; exact: nan at one exact value, the ends of beta, a zero state)."""
 
     name: str
     make: Callable[[float], Callable[[torch.Tensor], torch.Tensor]]
@@ -211,6 +220,30 @@ def _bf16_overflow(c):  # bfloat16 keeps float32's range: the scale puts it at ~
     return f
 
 
+def _eps_bias(c):  # a stray epsilon: nothing at ordinary scales, everything at tiny ones
+    return lambda x: x + c
+
+
+def _deadzone(c):  # x - c tanh(x / c): x shifted by c far out, flushed to ~0 inside c
+    return lambda x: x - c * torch.tanh(x / c)
+
+
+def _flush_to_zero(c):  # x beyond c (the exp underflows to 0), ~0 well inside it
+    return lambda x: x * (1 - torch.exp(-((x / c) ** 2)))
+
+
+def _zero_nan(c):  # nan exactly where x == 0 (0 / 0), x elsewhere (c ignored)
+    return lambda x: x * (x / x)
+
+
+def _one_nan(c):  # nan exactly where x == 1 (0 * log 0), x below 1 (c ignored)
+    return lambda x: x + 0.0 * torch.log(1 - x)
+
+
+def _norm_cap(c):  # a soft cap on the Frobenius norm of each head's state
+    return lambda x: x * torch.rsqrt(1 + (x * x).sum(dim=(-2, -1), keepdim=True) / (c * c))
+
+
 def _log_exp(c):  # inf past log(max float64) = 709.78 (c ignored)
     return lambda x: torch.log(torch.exp(x))
 
@@ -249,6 +282,12 @@ WIDES = {w.name: w for w in [
     Wide("f16_plain", _f16_plain, "both", "overflow"),
     Wide("bf16_overflow", _bf16_overflow, "both", "overflow"),
     Wide("log_exp", _log_exp, "high", "overflow"),
+    Wide("eps_bias", _eps_bias, "tiny", "tiny"),
+    Wide("deadzone", _deadzone, "tiny", "tiny"),
+    Wide("flush_to_zero", _flush_to_zero, "tiny", "tiny"),
+    Wide("zero_nan", _zero_nan, "zero", "exact"),
+    Wide("one_nan", _one_nan, "one", "exact"),
+    Wide("norm_cap", _norm_cap, "both", "cap"),
 ]}
 
 # where an operation's threshold really is when it ignores c
@@ -530,6 +569,22 @@ def cross(site: str, wide: Wide, c: float, x: dict, seed: int = 5) -> dict:
     gen = _gen(seed)
     x = {n: a.clone() for n, a in x.items()}
     c = NATURAL.get(wide.name, c)
+    if wide.sides in ("zero", "one"):  # exact values: a zero initial state (then k^T S = 0
+        # at the first step), log gates of exactly 0 (no decay), betas of exactly 0 or 1
+        name = {"gate": "g", "beta": "beta"}.get(site, "s0")
+        a = x[name].flatten().clone()
+        if name == "s0":
+            a[:] = 0.0
+        else:
+            a[0::2] = 0.0 if wide.sides == "zero" else 1.0
+        x[name] = a.view(x[name].shape)
+        return x
+    if wide.sides == "tiny":  # everything downstream of (S, v) or q at 1e-3 of c
+        if site == "out":
+            x["q"] = x["q"] * (1e-3 * c)
+        else:
+            x["s0"], x["v"] = x["s0"] * (1e-3 * c), x["v"] * (1e-3 * c)
+        return x
     if site == "gate":  # log gates beyond -c (a reset); the decayed state matters
         x["g"] = x["g"] - c * (1.0 + torch.rand(x["g"].shape, generator=gen)).to(x["g"])
         x["s0"] = x["s0"] * min(math.exp(c), 1e4)
@@ -618,11 +673,15 @@ _STATE = [
     ("value_first", "f16_overflow", 1e3), ("recurrent_hf", "f16_plain", 65504.0),
     ("kda_step", "bf16_overflow", 100.0), ("naive_clones", "log_exp", 709.0),
     ("kda_step", "tanh_cap", 1e5), ("recurrent_hf", "int_module_buffer_wrap", 100.0),
+    ("einsum_step", "eps_bias", 1e-9), ("bmm_merged", "deadzone", 1e-9),
+    ("kda_step", "flush_to_zero", 1e-8), ("recurrent_hf", "norm_cap", 1e5),
+    ("bmm_merged", "norm_cap", 1e5),
 ]
 _KV = [
     ("naive_clones", "power_cap", 100.0), ("bmm_merged", "trunc_wrap", 100.0),
     ("value_first", "f16_overflow", 1e3), ("kda_step", "logaddexp_cap", 100.0),
-    ("recurrent_hf", "erf_cap", 1e5),
+    ("recurrent_hf", "erf_cap", 1e5), ("recurrent_hf", "zero_nan", 0.0),
+    ("value_first", "eps_bias", 1e-9),
 ]
 _DELTA = [
     ("recurrent_hf", "hypot_cap", 1e5), ("einsum_step", "int_cast_wrap", 100.0),
@@ -632,6 +691,7 @@ _OUT = [
     ("recurrent_hf", "logaddexp_cap", 100.0), ("naive_clones", "frac_wrap", 100.0),
     ("einsum_step", "erf_cap", 1e5), ("value_first", "sqrt_relu_floor", 100.0),
     ("bmm_merged", "bf16_overflow", 100.0), ("kda_step", "smooth_sign_zero", 100.0),
+    ("naive_clones", "flush_to_zero", 1e-8),
 ]
 # log gates: ordinary ones stay above -2.5; floors at -6 (resets stop resetting)
 _GATE = [
@@ -639,12 +699,13 @@ _GATE = [
     ("einsum_step", "logsumexp_floor_b10", 6.0), ("bmm_merged", "sqrt_relu_floor", 6.0),
     ("value_first", "log1p_floor", 6.0), ("kda_step", "logaddexp_floor_b10", 6.0),
     ("kda_step", "trunc_wrap", 6.0), ("recurrent_hf", "sigmoid_unreset", 10.0),
-    ("einsum_step", "int_cast_wrap", 6.0),
+    ("einsum_step", "int_cast_wrap", 6.0), ("bmm_merged", "zero_nan", 0.0),
 ]
 # beta: a cap at 1.5 (FLA's allow_neg_eigval draws beta in [0, 2])
 _BETA = [
     ("recurrent_hf", "softplus_cap_b40", 1.5), ("einsum_step", "sqrt_relu_cap", 1.5),
     ("kda_step", "trunc_wrap", 1.5), ("naive_clones", "smooth_sign_zero", 1.5),
+    ("einsum_step", "zero_nan", 0.0), ("kda_step", "one_nan", 1.0),
 ]
 _SCAN = [
     ("scan_hop", "state", "tanh_cap", 1e5), ("scan_hop", "state", "trunc_wrap", 100.0),
@@ -774,7 +835,9 @@ class ChunkMutant:
         if which != "cross":
             return x
         c = NATURAL.get(self.wide, self.c)
-        if self.site == "cumgate":  # gates summing past -c within a chunk
+        if WIDES[self.wide].sides == "tiny":
+            x["s0"], x["v"] = x["s0"] * (1e-3 * c), x["v"] * (1e-3 * c)
+        elif self.site == "cumgate":  # gates summing past -c within a chunk
             x["g"] = x["g"] - c / 2
         else:
             x["s0"], x["v"] = x["s0"] * (6 * c), x["v"] * (6 * c)
@@ -790,6 +853,7 @@ CHUNK_MUTANTS = [
     ChunkMutant("chunk_state_f16_overflow_1e3", "state", "f16_overflow", 1e3),
     ChunkMutant("chunk_state_power_cap_100", "state", "power_cap", 100.0),
     ChunkMutant("chunk_state_int_buffer_wrap_100", "state", "int_buffer_wrap", 100.0),
+    ChunkMutant("chunk_state_deadzone_1e-9", "state", "deadzone", 1e-9),
     ChunkMutant("chunk_cumgate_logaddexp_floor_b10_12", "cumgate", "logaddexp_floor_b10", 12.0),
     ChunkMutant("chunk_cumgate_softplus_floor_b10_12", "cumgate", "softplus_floor_b10", 12.0),
 ]
@@ -876,8 +940,11 @@ class ConvMutant:
             x, s = (torch.randn(sh, generator=gen, dtype=torch.float64) * 0.5 for sh in (xs, ss))
         else:
             x, s = (torch.randn(sh, generator=gen, dtype=torch.float64) for sh in (xs, ss))
-            if which == "cross":
-                f = 6 * NATURAL.get(self.wide, self.c)
+            sides = WIDES[self.wide].sides
+            if which == "cross" and sides == "zero":  # a zero state and zero inputs
+                x, s = x * 0, s * 0
+            elif which == "cross":
+                f = (1e-3 if sides == "tiny" else 6) * NATURAL.get(self.wide, self.c)
                 x, s = x * f, s * f
         return x.to(dtype), s.to(dtype)
 
@@ -889,6 +956,8 @@ CONV_MUTANTS = [
     ConvMutant("conv_written_f16_overflow_1e3", "cat", "written", "f16_overflow", 1e3),
     ConvMutant("conv_written_int_cast_wrap_100", "cat", "written", "int_cast_wrap", 100.0),
     ConvMutant("conv_window_power_cap_100", "cat", "window", "power_cap", 100.0),
+    ConvMutant("conv_written_eps_bias_1e-9", "cat", "written", "eps_bias", 1e-9),
+    ConvMutant("conv_written_zero_nan", "cat", "written", "zero_nan", 0.0),
     ConvMutant("conv_roll_pre_logaddexp_cap_100", "roll", "pre", "logaddexp_cap", 100.0),
     ConvMutant("conv_roll_pre_frac_wrap_100", "roll", "pre", "frac_wrap", 100.0),
 ]
