@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from gdn_fx.errors import UsageError
+from gdn_fx.lowering.facts import static_dim
 from gdn_fx.lowering.t2n import streamed
 from gdn_fx.lowering.t2n.moe import grouped_mm_op
 
@@ -420,11 +421,15 @@ def _constants(module: fx.GraphModule, nodes: list, value) -> list[Tensor]:
 
 
 def _router_candidates(module: fx.GraphModule, block: Block, experts: int) -> list[fx.Node]:
-    """Constant [E, D] nodes the router reads: the router weight is one of them."""
+    """Constant [E, D] nodes the router reads: the router weight is one of them. Sizes are
+    compared as ints (``static_dim``), never as SymInts: ``s == 3`` on a symbolic size asks
+    torch's ShapeEnv, which records the answer as a guard, and where the example extent was 3
+    (a generation export traces S = 3) it specializes the symbol in every node of the program:
+    a model with 3 experts had its fused scans lowered for a static S (issue 54, item 5)."""
     cache: dict = {}
-    width = _val(block.x).shape[-1]
+    width = static_dim(_val(block.x).shape[-1])
     return [n for n in _ancestors(block.topk, frozenset({block.x}))
-            if _val(n) is not None and tuple(_val(n).shape) == (experts, width)
+            if _val(n) is not None and tuple(map(static_dim, _val(n).shape)) == (experts, width)
             and _val(n).is_floating_point() and _constant_only(n, cache)]
 
 

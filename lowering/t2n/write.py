@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from gdn_fx.errors import ExportRefused, LoweringUnsupported, UsageError
+from gdn_fx.errors import ExportRefused, InternalError, LoweringUnsupported, UsageError
 from gdn_fx.lowering.options import ExportOptions
 from gdn_fx.lowering.plan import fallbacks, max_tokens, plan, summary
 from gdn_fx.lowering.t2n import program as prog
@@ -53,13 +53,15 @@ def write_nnef(program, path: Union[str, Path], *,
     # Sizes may differ from the traced ones at run time only where a declared dynamic axis is
     # static in the program; axes the program holds symbolic are vouched for by torch.export,
     # and its static sizes then stay what they are (a decode graph's S = 1 beside a symbolic P).
-    target = options.target(dynamic=bool(frozen_axes(module, dynamic_axes, names)))
+    frozen = frozen_axes(module, dynamic_axes, names)
+    target = options.target(dynamic=bool(frozen))
     _refuse_loop_hops(module)
     prog.refuse_bfloat16(module)
     moe, choose = split_choice(options.choose)  # choose["transformers_moe"], not a table entry
     if moe == FUSED:  # before the fixes: else plain (moe.py)
         fuse_moe_blocks(module, target)
     fixed = apply_fixes(module)
+    _refuse_specialized_axes(frozen, frozen_axes(module, dynamic_axes, names))
     if dynamic_axes:
         refuse_frozen_axes(module, dynamic_axes, names)
     decisions = plan(module, target, choose)  # logs every decision and rejection
@@ -69,6 +71,19 @@ def write_nnef(program, path: Union[str, Path], *,
                   names, list(output_names) if output_names else None, options.symbol_min,
                   stored.summary(),
                   POSITION_SYMBOL_MAX if "float_position_compares" in fixed else None)
+
+
+def _refuse_specialized_axes(before: list, after: list) -> None:
+    """InternalError when a declared axis the program held symbolic became static while the
+    module was rewritten: a rewrite compared a symbolic size with an int (a guard torch's
+    ShapeEnv keeps), the symbol is now its example extent in every node, and the lowering would
+    be planned for that extent while the NNEF declares a symbol (tract refuses the file, or
+    computes wrongly at other extents)."""
+    specialized = sorted(set(after) - set(before))
+    if specialized:
+        raise InternalError(f"the export's symbolic axes {specialized} (input, axis) became "
+                            "static while the program was rewritten for torch-to-nnef (a "
+                            "guard on a symbolic size); nothing was written")
 
 
 def _refuse_loop_hops(module) -> None:
