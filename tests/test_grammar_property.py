@@ -4,8 +4,9 @@ wide domain (issue 54, "Must show": the property test).
 
 The chains come from a small grammar (scale by a constant, a tanh cap, a softplus floor, a
 logaddexp with a constant, square then sqrt, a trunc-division wrap, a cast through float16,
-exp then log, a tiny constant added, the identity, x * 1), one to three of them, put on the state after the update or
-on the log gate of transformers-style and einsum-style loops (``wide_spellings``). For each,
+exp then log, a tiny constant added, the identity, x * 1), one to three of them, put on the
+state after the update or on the log gate of transformers-style and einsum-style loops
+(``wide_spellings``). For each,
 the test decides in eager float64, by itself, whether the loop differs from the plain loop
 (relative > 1e-6) at one of a fixed set of wide-domain draws: v and the initial state with
 magnitudes log-uniform over 1e-6 .. 1e6 and both signs, q and k over 1e-3 .. 10, log gates
@@ -31,7 +32,7 @@ from hypothesis import strategies as st
 
 import gdn_fx
 from tensors import clone, flat
-from wide_spellings import BASES, H, DK, DV, B
+from wide_spellings import B, BASES, DK, DV, H
 
 T_STEPS = 3
 SCAN = "gated_delta_scan"
