@@ -10,7 +10,7 @@ import contextlib
 import copy
 import gc
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Union, Sequence
 
 import torch
 from torch import fx
@@ -42,7 +42,7 @@ if len({rule.name for rule in RULES}) != len(RULES):
     raise InternalError(f"two rules share a name: {[rule.name for rule in RULES]}")
 
 
-def collapse(program: Any, *, inplace: bool = False, verify: bool = True,
+def collapse(program: Any, *, inplace: bool = False, verify: Union[bool, str] = True,
              example_inputs: Optional[tuple] = None,
              rules: Optional[Sequence[Rule]] = None) -> CollapseResult:
     """Collapse every unrolled GDN/KDA recurrence and conv update in ``program``.
@@ -55,7 +55,10 @@ def collapse(program: Any, *, inplace: bool = False, verify: bool = True,
     original run on the same random inputs and every output, input and buffer after the run
     must agree; a fusion that disagrees is not made and leaves a near-miss (validate.py).
     Integer inputs (token ids, positions) are taken from ``example_inputs`` (the program's
-    call arguments; an ExportedProgram's own by default), zeros otherwise. ``verify=False``
+    call arguments; an ExportedProgram's own by default), zeros otherwise. Each fused
+    region was drawn over the wide domain by its meaning rule already (evaluator.py);
+    ``verify="wide"`` also runs the whole programs at the wide probes ``compare_programs``
+    uses (in float64: ~3x the check's time on a 512-token loop). ``verify=False``
     trusts the rules' structural checks alone. ``rules``: the rules to run, in order
     (default ``RULES``); counts are kept per op, each rule adding to its ``op``'s.
     """
@@ -81,7 +84,7 @@ def _cyclic_gc_paused():
 def _collapse(program: Any, inplace: bool, verify: bool, example_inputs,
               rules: tuple) -> CollapseResult:
     gm, ep = graph_module_of(program)
-    validator = Validator(gm, ep, example_inputs) if verify else None
+    validator = Validator(gm, ep, example_inputs, wide=verify == "wide") if verify else None
     graph, counts, misses = gm.graph, {}, []
     for rule in rules:
         fusions, found = rule.plan(graph)

@@ -411,7 +411,8 @@ def _layouts(region: Region) -> list:
 def decide(region: Region) -> Verdict:
     """The layout under which the region is the update, or the nearest miss."""
     module = cut_out(region)
-    sampler = Sampler(module, module.graph, lambda gen: _draw(region, gen), "conv")
+    sampler = Sampler(module, module.graph, lambda gen: _draw(region, gen), "conv",
+                      narrowing=True)  # _native runs it at its traced dtypes
     try:  # with points that reach both sides of each clamp, where... (evaluator.py)
         points = sampler.points()
     except NoMatch as miss:
@@ -485,13 +486,29 @@ def _score(region: Region, layout: Layout, draws) -> Verdict:
     return Verdict(None, worst_out, worst_state, layout, reason, region, partial=slip)
 
 
+# x, the state and the bias scaled so for the second run at the traced dtypes: large enough
+# that a cast down to f16 inside an f32 region overflows (past ~1e3), small enough that a
+# region traced in f16 holds its output (K taps of 4e3 stay below 65504)
+NATIVE_WIDE = 4e3
+
+
 def _native(region: Region, layout: Layout, module: fx.GraphModule) -> str:
     """Why the fused node would not hand out what the region does in its own dtypes ('' when
     it would): float64 sees no rounding, so the region also runs at the traced dtypes beside
-    the op; every state value must agree bit for bit where it lands, the output within
-    translation validation's bound."""
+    the op, at the ordinary draws and at them scaled by NATIVE_WIDE; every state value must
+    agree bit for bit where it lands, the output within translation validation's bound."""
+    for scale in (1.0, NATIVE_WIDE):
+        problem = _native_at(region, layout, module, scale)
+        if problem:
+            return problem
+    return ""
+
+
+def _native_at(region: Region, layout: Layout, module: fx.GraphModule, scale: float) -> str:
     gen = torch.Generator().manual_seed(SEEDS["conv"])
-    args = [v.to(dtype(n or region.x)) for v, n in zip(_draw(region, gen), (
+    drawn = _draw(region, gen)
+    drawn = [v if i == 2 else v * scale for i, v in enumerate(drawn)]  # the weight as drawn
+    args = [v.to(dtype(n or region.x)) for v, n in zip(drawn, (
         region.x, region.state, region.weight, region.bias))]
     try:
         got = module(*[a.clone() for a in args])

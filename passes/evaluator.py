@@ -103,8 +103,12 @@ class Sampler:
     generator) and the region's float64 outputs there (run on copies: the inputs stay as
     drawn); ``points`` adds the ones that reach both sides of its switches."""
 
-    def __init__(self, owner: torch.nn.Module, graph: fx.Graph, draw: Callable, rule: str):
+    def __init__(self, owner: torch.nn.Module, graph: fx.Graph, draw: Callable, rule: str,
+                 narrowing: bool = False):
         self.owner, self.graph, self.draw = owner, graph, draw
+        # whether the rule checks roundings at the traced dtypes itself (the conv rule):
+        # then a cast down to f16 / bf16 is evaluated in float64 like the rest
+        self.narrowing = narrowing
         self.seed = SEEDS[rule]
         self.gen = torch.Generator().manual_seed(self.seed)
         self.switches = switches(graph)
@@ -113,8 +117,8 @@ class Sampler:
     def run(self, inputs: list):
         """The region's float64 outputs at ``inputs`` (run on copies); NoMatch naming the
         node where it turns data into integers (no float64 run can show what that does)."""
-        return Float64(self.owner, graph=self.graph, strict=True).run(
-            *[x.clone() for x in inputs])
+        return Float64(self.owner, graph=self.graph, strict=True,
+                       narrowing=self.narrowing).run(*[x.clone() for x in inputs])
 
     def point(self) -> tuple:
         inputs = self.draw(self.gen)
@@ -169,9 +173,11 @@ class Float64(fx.Interpreter):
     away); ``rounding``: such a narrower float is rounded as traced instead (translation
     validation compares whole programs so)."""
 
-    def __init__(self, *args, strict: bool = False, rounding: bool = False, **kwargs):
+    def __init__(self, *args, strict: bool = False, rounding: bool = False,
+                 narrowing: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.data = _data_nodes(self.graph) if strict else set()
+        self.narrowing = narrowing  # strict, but a cast down to f16 / bf16 allowed
         # the casts down to f16 / bf16, which round (and overflow) as traced
         self.rounding = {n: low for n in self.graph.nodes if (low := _narrowed(n))} \
             if rounding else {}
@@ -181,8 +187,8 @@ class Float64(fx.Interpreter):
         if n in self.rounding and isinstance(result, torch.Tensor):
             return result.to(self.rounding[n]).double()
         if n in self.data and isinstance(result, torch.Tensor):
-            lost = _narrowed(n) if result.is_floating_point() else \
-                None if result.dtype is torch.bool else result.dtype
+            lost = (None if self.narrowing else _narrowed(n)) if result.is_floating_point() \
+                else None if result.dtype is torch.bool else result.dtype
             if lost is not None:
                 raise NoMatch(f"node {n.name} ({op_name(n)}) turns data values into {lost}: "
                               "float64 does not show what that rounds away, and the op has "
@@ -535,47 +541,63 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # 1e-6 and 1e6 of an input (the draws) or between 2^-300 and 2^300 of the state and values
 # (the laws) shows, whatever operation spells it.
 
-WIDE_DRAWS = 4
 # Per-tensor magnitudes, rotated across the draws by the tensor's position so that each
 # tensor meets each of them and a large state meets a tiny value (and the other way
 # round); None: each element's magnitude log-uniform over the whole range.
-WIDE_MAGNITUDES = (1e6, 1e-6, None, 1e3)
+# 0.0: the tensor is all zeros (a fresh state: 0/0 there is NaN where the op is not).
+WIDE_MAGNITUDES = (1e6, 1e-6, None, 0.0)
+WIDE_DRAWS = len(WIDE_MAGNITUDES)
 DECADES = (-6.0, 6.0)
+KEY_LEVELS = (1.0, 1.0, 1.0, 1e-6)  # the keys' level at each draw (``wide_draw``)
 # Exact in binary (scaling by them rounds nothing): a linear region gives a * f(x) for f(a x)
 LAW_FACTORS = (2.0 ** 300, -(2.0 ** -300))
 RESET = -1e4  # a log gate that empties the state (exp(-1e4) is 0 in float64)
 
 
-def wide_draw(kind: str, dims, gen: torch.Generator, rotation: int) -> torch.Tensor:
+def wide_draw(kind: str, dims, gen: torch.Generator, rotation: int, draw: int = 0
+              ) -> torch.Tensor:
     """One input of kind ``kind`` over the wide domain, float64.
 
-    linear / free: both signs, magnitude ``WIDE_MAGNITUDES[rotation]``; key: a key that
-    keeps the recurrence contractive (beta |k|^2 <= 1, magnitude 1e-6 .. 1 per draw: past
-    it the rule itself blows up, along a sequence, and no two spellings agree); gate: log
-    gates -1e-6 .. -100 log-uniformly, one element in 8 a reset; decay: exp of one; beta:
-    all of [0, 1], one element in 8 at each end; plain: uniform [-1, 1]."""
+    linear / free: both signs, magnitude ``WIDE_MAGNITUDES[rotation]`` (for the
+    log-uniform one, one element in 8 exactly zero); key: a key that keeps the recurrence
+    contractive (beta |k|^2 <= 2, past which the rule itself blows up along a sequence and
+    no two spellings agree), at ``KEY_LEVELS[draw]`` of that (full keys but in the last draw:
+    a tiny key hides what k^T S and beta do); gate: log gates -1e-6 .. -100
+    log-uniformly, one element in 8 a reset and one exactly 0; decay: exp of one; beta: all
+    of [0, 2] (FLA lets beta reach 2: negative eigenvalues), one element in 8 at each of 0,
+    1 and 2; plain: uniform [-1, 1]."""
     dims = list(dims)
     unit = torch.rand(dims, generator=gen, dtype=torch.float64)
     if kind == "plain":
         return unit * 2 - 1
+    pick = torch.rand(dims, generator=gen, dtype=torch.float64)  # which elements take an end
     if kind == "beta":
-        ends = torch.rand(dims, generator=gen, dtype=torch.float64)
-        return torch.where(ends < 0.125, 0.0, torch.where(ends > 0.875, 1.0, unit))
+        ends = torch.where(pick < 0.125, 0.0, torch.where(pick < 0.25, 1.0, 2.0))
+        return _one_end(torch.where(pick < 0.375, ends, unit * 2), (2.0, 0.0, 1.0), draw)
     if kind in ("gate", "decay"):
         gate = -(10.0 ** (unit * 8 - 6))
-        resets = torch.rand(dims, generator=gen, dtype=torch.float64) < 0.125
-        gate = torch.where(resets, RESET, gate)
+        gate = torch.where(pick < 0.125, RESET, torch.where(pick < 0.25, 0.0, gate))
+        gate = _one_end(gate, (0.0, RESET), draw)
         return gate if kind == "gate" else gate.exp()
     signs = torch.rand(dims, generator=gen, dtype=torch.float64) * 2 - 1
     if kind == "key":
         width = max(dims + [1])  # at least the key's width, wherever its axis lies
-        level = 10.0 ** (-6 * torch.rand((), generator=gen, dtype=torch.float64).item())
-        return signs * (level / width ** 0.5)
+        return signs * (KEY_LEVELS[draw % len(KEY_LEVELS)] / width ** 0.5)
     magnitude = WIDE_MAGNITUDES[rotation % len(WIDE_MAGNITUDES)]
     if magnitude is None:
         lo, hi = DECADES
-        return signs.sign() * 10.0 ** (unit * (hi - lo) + lo)
+        spread = signs.sign() * 10.0 ** (unit * (hi - lo) + lo)
+        return torch.where(pick < 0.125, 0.0, spread)
     return signs * magnitude
+
+
+def _one_end(x: torch.Tensor, ends: tuple, draw: int) -> torch.Tensor:
+    """``x`` with one element at an end of its domain, chosen by the draw: however few
+    elements a tensor has (a merged batch of two gates), each end is met across the
+    draws, not by chance."""
+    if x.numel():
+        x.view(-1)[draw % x.numel()] = ends[draw % len(ends)]
+    return x
 
 
 def wide_points(sampler: "Sampler", kinds: list, draws: int = WIDE_DRAWS) -> list:
@@ -586,7 +608,7 @@ def wide_points(sampler: "Sampler", kinds: list, draws: int = WIDE_DRAWS) -> lis
     gen = torch.Generator().manual_seed(sampler.seed + 7)
     points = []
     for d in range(draws):
-        inputs = [wide_draw(kind or "plain", shape_, gen, d + i) for i, (kind, shape_) in
+        inputs = [wide_draw(kind or "plain", shape_, gen, d + i, d) for i, (kind, shape_) in
                   enumerate(zip(kinds, dims))]
         points.append((inputs, sampler.run(inputs)))
     return points

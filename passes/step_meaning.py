@@ -101,10 +101,10 @@ def _wide(sampler: Sampler, layout: Layout, with_state: bool) -> str:
         kinds[1 + index] = input_kind(role, layout)
 
     def error(points) -> float:
-        verdict = _score(layout, points, with_state)
-        if verdict.layout is None:
-            return verdict.error
-        return 0.0 if one_scale([layout.scale, verdict.layout.scale]) else 1.0
+        verdict = _score(layout, points, with_state, scale=layout.scale)
+        if verdict.layout is None:  # a state far off stops the scoring before the output
+            return verdict.state_error if verdict.state_error > 1e-3 else verdict.error
+        return 0.0
 
     return wide_problem(sampler, kinds, error, [0, 1 + layout.roles["v"]], [0, 1])
 
@@ -178,7 +178,11 @@ def _describe(groups) -> str:
     return ", ".join(f"{s.name} {list(shape(s))} along {a}" for s, a in groups[:6])
 
 
-def _score(layout: Layout, points, with_state: bool, tolerance: float = TOLERANCE) -> Verdict:
+def _score(layout: Layout, points, with_state: bool, tolerance: float = TOLERANCE,
+           scale: Optional[float] = None) -> Verdict:
+    """How far the points are from the rule under ``layout``: the output scale fitted at
+    each point and required to be one constant, or ``scale`` when given (a point whose
+    output is all zeros fits no scale)."""
     worst_s, worst_o, scales = 0.0, 0.0, []
     for (s0, *ins), (s_got, o_got) in points:
         s_ref, o_ref, _, _ = reference_step(layout, s0, ins)
@@ -189,9 +193,9 @@ def _score(layout: Layout, points, with_state: bool, tolerance: float = TOLERANC
         if o_got.numel() != o_ref.numel():
             return Verdict(None, float("inf"), worst_s, nearest=layout)
         o_got = o_got.reshape(o_ref.shape)
-        scales.append(fitted_scale(o_got, o_ref))
+        scales.append(fitted_scale(o_got, o_ref) if scale is None else scale)
         worst_o = max(worst_o, rel(o_got, scales[-1] * o_ref))
-    if not one_scale(scales, tolerance):
+    if scale is None and not one_scale(scales, tolerance):
         worst_o = max(worst_o, 1.0)
     if worst_s <= tolerance and worst_o <= tolerance:
         return Verdict(layout.with_scale(scales[0]), worst_o, worst_s)

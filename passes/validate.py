@@ -39,7 +39,7 @@ SCALES = (0.5, 0.05)  # input scales tried in turn until the original's outputs 
 SEED = 20261201
 # The wide probes (``Validator._wide_probes``): drawn inputs scaled by each of WIDE, and
 # made negative (-|x|) and NEGATIVE times larger; each input alone where at most ALONE.
-WIDE = (1e3, 1e5)
+WIDE = (1e3, 1e5, 1e-6)
 NEGATIVE = 1e3
 ALONE = 8
 NUDGE = 1e-12  # the relative move of a probe's inputs (float64) that must not move its outputs
@@ -50,9 +50,9 @@ class Validator:
     """The original program run once on probe inputs; rewritten graphs compared against it."""
 
     def __init__(self, gm: fx.GraphModule, ep: Optional[torch.export.ExportedProgram] = None,
-                 example_inputs: Optional[tuple] = None, every_probe: bool = False):
+                 example_inputs: Optional[tuple] = None, wide: bool = True):
         self.root = gm
-        self.every_probe = every_probe  # all the wide probes (compare_programs), else one
+        self.use_wide = wide  # the wide probes too (compare_programs; collapse on request)
         self.placeholders = _placeholders(gm)
         self.fixed = _fixed_values(ep, self.placeholders)
         examples = example_inputs if example_inputs is not None else (
@@ -85,7 +85,7 @@ class Validator:
             return self.failure
         module = graph if isinstance(graph, fx.GraphModule) else fx.GraphModule(self.root, graph)
         problem = self._checked(module, self.inputs, self.reference, self.finite)
-        if problem is None:
+        if problem is None and self.use_wide:
             for inputs, which, reference, what in self._wide_probes():
                 problem = self._checked(module, inputs, reference, None)
                 if problem is not None and self._conditioned(inputs, which, reference):
@@ -126,9 +126,8 @@ class Validator:
         state at 1e3, a floor of the gate at -5) differs there, whatever operation spells
         it. The drawn float inputs are scaled together by each of ``WIDE``, and made
         negative and large (log gates past -100: resets); where they are few, each alone
-        too. ``every_probe`` off (collapse's own check, whose regions the meaning rules
-        drew over the wide domain already): the first only. A probe at which the original
-        hands out a value that is not finite is left out (nothing to compare with there)."""
+        too, and each alone all zeros (a fresh state). A probe at which the original hands
+        out a value that is not finite is left out (nothing to compare with there)."""
         if self.wide is not None:
             return self.wide
         drawn = [i for i, (node, x) in enumerate(zip(self.placeholders, self.inputs))
@@ -136,16 +135,20 @@ class Validator:
                  isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()]
         changes = [(drawn, f, f"scaled by {f:g}") for f in WIDE] + \
             [(drawn, -NEGATIVE, f"made negative and {NEGATIVE:g} times larger")]
-        if not self.every_probe:
-            changes = changes[:1]
-        elif len(drawn) <= ALONE:
+        if len(drawn) <= ALONE:
             names = {i: self.placeholders[i].name for i in drawn}
-            changes += [([i], f, f"with {names[i]} scaled by {f:g}") for i in drawn
-                        for f in (WIDE[-1], -NEGATIVE)]
+            changes += [([i], f, f"with {names[i]} scaled by {f:g}" if f else
+                         f"with {names[i]} all zeros") for i in drawn
+                        for f in (WIDE[1], -NEGATIVE, 0.0)]
+            # all small, one of them zero (a fresh state beside small values: a stray
+            # epsilon shows there)
+            changes += [(drawn, (WIDE[-1], i), f"scaled by {WIDE[-1]:g}, {names[i]} all zeros")
+                        for i in drawn]
         self.wide = []
         for which, factor, what in changes:
-            inputs = [_changed(x, factor) if i in which else _widened(x)
-                      for i, x in enumerate(self.inputs)]
+            factor, zeroed = factor if isinstance(factor, tuple) else (factor, None)
+            inputs = [_changed(x, 0.0 if i == zeroed else factor) if i in which else
+                      _widened(x) for i, x in enumerate(self.inputs)]
             try:
                 reference = self._run(self.root, True, inputs)
             except Exception:  # noqa: BLE001 (an original that fails there proves nothing)
@@ -246,7 +249,7 @@ def compare_programs(original: Any, rewritten: Any, example_inputs: Optional[tup
     if len(_placeholders(other)) != len(_placeholders(gm)):
         return (f"the programs take {len(_placeholders(gm))} and {len(_placeholders(other))} "
                 "inputs")
-    return Validator(gm, ep, example_inputs, every_probe=True).mismatch(other)
+    return Validator(gm, ep, example_inputs).mismatch(other)
 
 
 def _may_write(graph: fx.Graph) -> bool:
@@ -369,7 +372,7 @@ def _draw(node: fx.Node, generator: torch.Generator, scale: float) -> Any:
 def _changed(x: torch.Tensor, factor: float) -> torch.Tensor:
     """``x`` in float64, scaled by ``factor``; made negative first when ``factor`` is."""
     x = _widened(x)
-    return x * factor if factor > 0 else x.abs() * factor
+    return x * factor if factor >= 0 else x.abs() * factor
 
 
 def _widened(x):

@@ -24,15 +24,18 @@ from conv_spellings import K, CatSliceReturned, inputs  # noqa: E402
 
 def _draws(kind, dims=(3, 5, 7)):
     gen = torch.Generator().manual_seed(0)
-    return [wide_draw(kind, dims, gen, r) for r in range(WIDE_DRAWS)]
+    return [wide_draw(kind, dims, gen, r, r) for r in range(WIDE_DRAWS)]
 
 
-def test_linear_inputs_meet_every_decade_and_both_signs():
+def test_linear_inputs_meet_every_decade_both_signs_and_zeros():
     draws = _draws("linear")
+    assert any(not x.any() for x in draws)  # one draw all zeros: a fresh state
+    draws = [x for x in draws if x.any()]
     biggest = [x.abs().max().item() for x in draws]
-    smallest = [x.abs().min().item() for x in draws]
+    smallest = [x[x != 0].abs().min().item() for x in draws]
     assert max(biggest) > 10 ** (DECADES[1] - 1) and min(smallest) < 10 ** (DECADES[0] + 1)
     assert all((x > 0).any() and (x < 0).any() for x in draws)
+    assert any((x == 0).any() for x in draws)  # and zeros among other values
 
 
 def test_gates_reach_past_minus_100_and_reset_beta_reaches_its_ends():
