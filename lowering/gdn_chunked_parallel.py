@@ -80,7 +80,7 @@ from gdn_fx.lowering.facts import ScanFacts
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
-PROLOGUE_CONSTANTS = ("cum", "zero4", "zero3", "scale")
+PROLOGUE_CONSTANTS = ("cum", "strict", "zero4", "zero3", "scale")
 # Chunk sizes measured on an H200 (bench/bench_cuda.py): see bench/RESULTS.md. Shorter S take
 # the next power of two (as "chunked_unrolled").
 CHUNK = 64
@@ -130,7 +130,7 @@ def widths(chunk: int, leaf: int = LEAF) -> list[int]:
 
 def constant_names(chunk: int, leaf: int = LEAF, whole: bool = False) -> tuple[str, ...]:
     if whole:
-        return PROLOGUE_CONSTANTS + ("eyec", "eyek", "masko", "strict", "leafm") + tuple(
+        return PROLOGUE_CONSTANTS + ("eyec", "eyek", "masko", "leafm") + tuple(
             f"lowerleft{b}" for b in widths(chunk, leaf)[1:])
     return PROLOGUE_CONSTANTS + ("eyel", "eyek", "delta2", "masko") + tuple(
         f"mask{b}" for b in widths(chunk, leaf))
@@ -205,7 +205,6 @@ def chunk_terms_lines(facts: ScanFacts) -> list[str]:
 def map_lines() -> list[str]:
     return ["ut = matmul(mul(vt, br), tt, transposeB = true);",
             "wt = matmul(mul(kt, mul(br, egr)), tt, transposeB = true);",
-            f"rr = {text.pair_decay('last', 'r')};",
             "krt = mul(kt, rr);",
             "mm = sub(mul(ac, eyek), matmul(krt, wt, transposeB = true));",
             "bt = matmul(ut, krt, transposeB = true);"]

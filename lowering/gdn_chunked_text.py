@@ -224,33 +224,38 @@ def prepare_lines(facts: ScanFacts, chunk: int, pad: str, suffix: str,
 
 
 def gate_lines(chunk: int, rank: int) -> list[str]:
-    """The gate terms from the laid-out log gates ``gg`` [.., C]: the cumulative sums in two
-    exact parts (gdn_fx.ops.gate_parts: the gate clamped at GATE_FLOOR, its ceiling ``w`` and
-    the rest ``f``), as rows (``wr``, ``fr``) and columns (``wc``, ``fc``); e^gamma as rows
-    and columns (``egr``, ``egc``: the parts added, where a reset before t makes gamma <=
-    -1024 and e^gamma 0 however it rounds), ``r`` = e^(gamma_C - gamma) and ``ac`` =
-    e^gamma_C. A difference of cumulative sums is always taken part by part (``pair_decay``):
-    in one sum the small gates after a reset would round against its -1024 (ulp 1.2e-4), and
-    -inf - -inf is NaN."""
+    """The gate terms from the laid-out log gates ``gg`` [.., C], each exact across a reset
+    (docs/FACTS.md, "Reset gates"). The gate is clamped at GATE_FLOOR (``gq``: e^-1024 is 0,
+    no decay changes, no -inf meets a 0 in the cumulative-sum matmuls) and split into its
+    ceiling ``gw`` and the rest ``gf`` (gdn_fx.ops.gate_parts); their cumulative sums as rows
+    (``wr``, ``fr``) and columns (``wc``, ``fc``) serve the decays between two positions
+    (``pair_decay``: part by part, so the small gates after a reset never round against it).
+    The rest needs no split: e^gamma_t (``egr``, ``egc``; ``ac`` = e^gamma_C) is 0 wherever a
+    reset is at or before t, however it rounds, and e^(gamma_C - gamma_j) (``rr`` as rows,
+    ``r`` as columns) is read off the sums of the gates AFTER j (``strict``: one matmul), which
+    meet a reset only where the decay is 0."""
     rows, cols = rank - 2, rank - 1
     floor = common.literal(GATE_FLOOR)
+
+    def column(row: str) -> str:  # the unit axis moved by reshapes (a transpose is a copy on
+        # the GPU)
+        return f"unsqueeze(squeeze({row}, axes = [{rows}]), axes = [{cols}])"
+
     lines = [f"gq = max(gg, {floor});", "gw = ceil(gq);", "gf = sub(gq, gw);"]
-    for part in ("w", "f"):  # cumulative sums as rows; as columns the unit axis moved by
-        # reshapes (a transpose is a copy on the GPU)
+    for part in ("w", "f"):
         lines += [f"{part}r = matmul(unsqueeze(g{part}, axes = [{rows}]), cum);",
-                  f"{part}c = unsqueeze(squeeze({part}r, axes = [{rows}]), axes = [{cols}]);",
-                  f"{part}last = slice({part}c, axes = [{rows}], begin = [{chunk - 1}],"
-                  f" end = [{chunk}]);"]
+                  f"{part}c = {column(f'{part}r')};"]
     return lines + ["egr = exp(add(fr, wr));",
-                    "egc = exp(add(fc, wc));",
-                    f"r = {pair_decay('last', 'c')};",
-                    "ac = exp(add(flast, wlast));"]
+                    f"egc = {column('egr')};",
+                    f"ac = slice(egc, axes = [{rows}], begin = [{chunk - 1}], end = [{chunk}]);",
+                    f"rr = exp(matmul(unsqueeze(gq, axes = [{rows}]), strict));",
+                    f"r = {column('rr')};"]
 
 
 def pair_decay(late: str, early: str, mask: str = "") -> str:
     """The NNEF expression e^(gamma_late - gamma_early) (+ ``mask``, an additive 0 / -inf
     mask), the difference taken part by part (``gate_lines``): ``late`` and ``early`` name the
-    forms of the parts ("c" columns, "r" rows, "last", or block stacks "cb16" ...)."""
+    forms of the parts ("c" columns, "r" rows, or block stacks "cb16", "rb16" ...)."""
     diff = f"add(sub(f{late}, f{early}), sub(w{late}, w{early}))"
     return f"exp(add({diff}, {mask}))" if mask else f"exp({diff})"
 

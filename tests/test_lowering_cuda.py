@@ -282,7 +282,7 @@ def test_chunked_parallel_matmuls_take_operands_contracted_last(s):
              if line.count("matmul(") != line.count("transposeB = true")}
     sizes = cp.widths(chunk)
     leaf = 2 * (sizes[0].bit_length() - 2)  # log2(leaf) - 1 squarings and products
-    assert plain.pop("wr") == 1 and plain.pop("fr") == 1  # the gate's two parts, summed
+    assert [plain.pop(n) for n in ("wr", "fr", "rr")] == [1, 1, 1]  # sums of the gate parts
     assert sorted(plain) == sorted([f"bip{i + 2}" for i in range(leaf // 2)]
                                    + [f"bit{i + 1}" for i in range(leaf // 2)]
                                    + [f"tb{b}" for b in sizes[1:]]), plain

@@ -7,8 +7,9 @@ gates: after a huge gate, f32 can not hold the small gates that follow in one su
 ~ 1e-3), and -inf - -inf is NaN (issue 54, item 3).
 
 The oracle is a float64 step-by-step recurrence written here (numpy), not gdn_fx's code.
-One export per (candidate, gate kind, qk_l2norm) holds two nodes, T = 16 (batch 1) and T = 100
-(batch 2, across chunks of every chunked form), so every gate pattern runs on the same graph.
+One export per (candidate, gate kind, qk_l2norm) holds two nodes, T = 16 (batch 1, 2 value heads
+per key head) and T = 100 (batch 2, G = 1, across chunks of every chunked form), so every gate
+pattern runs on the same graph.
 Candidates are forced with ``choose``; the CUDA candidates ("chunked_parallel",
 "chunked_window") are exported for the CUDA runtime and run by the CPU runtime (their
 formulas, as tests/test_lowering_cuda.py does).
@@ -35,8 +36,10 @@ from gdn_fx.ops import fast_scan_kernel
 
 TOLERANCE = {True: 1e-5, False: 1e-4}  # by qk_l2norm (module docstring)
 LENGTHS = (16, 100)
-BATCHES = {16: 1, 100: 2}
-HK, GROUPS, DK, DV = 2, 2, 8, 8
+# (batch, value heads per key head) of each node: batch 1 has layout code of its own, and G = 1
+# the flat layout of "split"'s chunk loop (gdn_chunked_text.flat_layout)
+SHAPES = {16: (1, 2), 100: (2, 1)}
+HK, DK, DV = 2, 8, 8
 SCALE = DK ** -0.5
 GATES = (-1e4, -1e9, float("-inf"))
 SCAN = torch.ops.gdn_fx.gated_delta_scan
@@ -85,10 +88,10 @@ def relative(got, want: np.ndarray) -> float:
 
 # --- inputs ----------------------------------------------------------------------------------
 
-def inputs(b: int, t: int, kda: bool, seed: int) -> list[torch.Tensor]:
+def inputs(b: int, t: int, kda: bool, seed: int, groups: int = 2) -> list[torch.Tensor]:
     """q, k, v, g, beta, s0 (f32) with ordinary gates in (-0.5, 0) and a nonzero state."""
     gen = torch.Generator().manual_seed(seed)
-    hv = HK * GROUPS
+    hv = HK * groups
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen)
@@ -134,7 +137,8 @@ class TwoScans(nn.Module):
                          ids=[f"{c}-{'kda' if kda else 'gdn'}-{'l2' if l2 else 'raw'}"
                               for c, kda, l2 in CASES])
 def test_reset_gates_in_tract(tmp_path, candidate, kda, qk_l2norm):
-    base = {t: inputs(BATCHES[t], t, kda, seed=t) for t in LENGTHS}
+    base = {t: inputs(SHAPES[t][0], t, kda, seed=t, groups=SHAPES[t][1])
+            for t in LENGTHS}
     module = TwoScans(qk_l2norm)
     program = torch.export.export(module, tuple(base[16] + base[100]))
     path = export_nnef(program, tmp_path / f"{candidate}.nnef", choose={"*": candidate},
