@@ -1,4 +1,5 @@
-"""Test-wide settings."""
+"""Test-wide settings, and the artifacts several modules share (built once per session, per
+xdist worker: a whole-model export costs ~10-20 s; the tests only read them)."""
 
 import warnings
 
@@ -15,3 +16,29 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+@pytest.fixture(scope="session")
+def folder(tmp_path_factory):
+    """The demo checkpoint folder (config, random weights, a locally trained tokenizer)."""
+    from gdn_fx.text import demo_checkpoint
+
+    return demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))  # transformers', not gdn_fx's loader
+
+
+@pytest.fixture(scope="session")
+def demo_nnef(folder, tmp_path_factory):
+    """The demo checkpoint exported generation-ready by the command (unchecked: the tests
+    check it); the export carries the tokenizer and configs beside it (demo.text)."""
+    from gdn_fx.cli import main
+
+    out = tmp_path_factory.mktemp("nnef") / "demo.nnef.tgz"
+    assert main(["export", "--model", str(folder), "--out", str(out), "--no-check"]) == 0
+    return out

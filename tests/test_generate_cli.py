@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from gdn_fx.cli import main
-from gdn_fx.text import demo_checkpoint
 
 PROMPT = "The keeper of the north light"
 # a sampling checkpoint, as Qwen's generation_config.json are (do_sample true, ...)
@@ -33,23 +32,13 @@ SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8,
             "repetition_penalty": 1.3}
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
+# folder (the demo checkpoint), tokenizer (transformers') and demo_nnef (its generation-ready
+# export by the command): conftest.py's, shared with test_text.py
 
 
 @pytest.fixture(scope="module")
-def tokenizer(folder):
-    return AutoTokenizer.from_pretrained(str(folder))  # transformers', not gdn_fx's loader
-
-
-@pytest.fixture(scope="module")
-def nnef(folder, tmp_path_factory):
-    """The demo checkpoint exported generation-ready by the command (unchecked: the tests
-    check it); the export carries the tokenizer and configs beside it (demo.text)."""
-    out = tmp_path_factory.mktemp("nnef") / "demo.nnef.tgz"
-    assert main(["export", "--model", str(folder), "--out", str(out), "--no-check"]) == 0
-    return out
+def nnef(demo_nnef):
+    return demo_nnef
 
 
 def variant(base: Path, where: Path, generation: dict = None, config: dict = None) -> Path:

@@ -14,29 +14,21 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from gdn_fx.errors import CheckpointError, GdnFxError, UsageError
 from gdn_fx.hf import tiny_model
 from gdn_fx.sampling import Sampling
 from gdn_fx.streaming import stream
 from gdn_fx.text import (DEMO_CHAT_TEMPLATE, Detokenizer, StopStrings, context_length,
-                         demo_checkpoint, demo_corpus, demo_tokenizer, eos_ids, load_tokenizer,
+                         demo_corpus, demo_tokenizer, eos_ids, load_tokenizer,
                          prompt_ids, save_text_files)
 
 TEXTS = ["The keeper lit the lamp.", "café crème brûlée", "日本 is Japan, こんにちは",
          "stars 🌟 and a boat ⛵ 🙂", "naïve → déjà vu ≈ 12°C", "  two  spaces\nand a line"]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(folder):
-    return AutoTokenizer.from_pretrained(str(folder))  # transformers', not gdn_fx's loader
-
+# folder, tokenizer (transformers') and demo_nnef: conftest.py's, shared with other modules
 
 @pytest.fixture(scope="module")
 def model(folder):
@@ -271,14 +263,12 @@ def test_chat_without_a_template_is_refused(tokenizer):
 # --- end to end: a text prompt in tract ------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported(folder, tmp_path_factory):
-    """The demo checkpoint exported generation-ready by the command (~20 s, unchecked: the
-    tests check it), which carries the tokenizer beside it (X.text)."""
-    from gdn_fx.cli import main
+def exported(demo_nnef):
+    """The demo checkpoint exported generation-ready by the command (conftest.py's, ~20 s
+    once a session), which carries the tokenizer beside it (X.text)."""
     from gdn_fx.hf.generator import GeneratorFiles, decode_path
 
-    out = tmp_path_factory.mktemp("nnef") / "demo.nnef.tgz"
-    assert main(["export", "--model", str(folder), "--out", str(out), "--no-check"]) == 0
+    out = demo_nnef
     assert (out.parent / "demo.text" / "tokenizer.json").is_file()
     decode = decode_path(out)  # none by default: the one graph serves decode
     return GeneratorFiles(out, decode if decode.exists() else None, (), ())
