@@ -150,14 +150,22 @@ PIECES = {p.name: p for p in [
 ]}
 
 
-class Edits:
-    """The mutation points of a step: ``at(site, x)`` is x, or the site's piecewise op of x."""
+class Edits(nn.Module):
+    """The mutation points of a step: ``at(site, x)`` is x, or the site's operation of x (a
+    module when it holds a buffer, as one of ``wide_spellings`` does: it is then a submodule
+    of the loop's module)."""
 
     def __init__(self, site: Optional[str] = None, fn: Optional[Callable] = None):
+        super().__init__()
         self.site, self.fn = site, fn
 
-    def __call__(self, site: str, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, site: str, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x) if site == self.site else x
+
+
+def _cast(x: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """x in ``dtype``; x as it is when dtype is None (the caller's dtype)."""
+    return x if dtype is None else x.to(dtype)
 
 
 # --- the bases: one loop per author ----------------------------------------------------------
@@ -168,7 +176,10 @@ class Edits:
 class TransformersStyle(nn.Module):
     """transformers' torch_recurrent_gated_delta_rule style: sequence-major in, transposed to
     [B, H, T, D] in f32, q / sqrt(Dk), state key-first, kv_mem / delta, a preallocated output
-    buffer written at [:, :, i]."""
+    buffer written at [:, :, i]. ``dtype``: what it computes in (None: the caller's dtype, as
+    ``wide_spellings``' port has it)."""
+
+    dtype: Optional[torch.dtype] = torch.float32
 
     def __init__(self, site=None, fn=None):
         super().__init__()
@@ -176,7 +187,7 @@ class TransformersStyle(nn.Module):
 
     def forward(self, query, key, value, g, beta, initial_state):
         at = self.at
-        query, key, value, beta, g = [x.transpose(1, 2).contiguous().to(torch.float32)
+        query, key, value, beta, g = [_cast(x.transpose(1, 2).contiguous(), self.dtype)
                                       for x in (query, key, value, beta, g)]
         query = query * (1 / (query.shape[-1] ** 0.5))
         state = initial_state.to(value)
@@ -197,7 +208,11 @@ class TransformersStyle(nn.Module):
 
 class FlaNaiveStyle(nn.Module):
     """FLA's naive recurrent reference style: (q, k, v, beta, g) order, head-major f32, q
-    scaled up front, ``h.clone()`` everywhere, the readout by einsum into a zeros buffer."""
+    scaled up front, ``h.clone()`` everywhere, the readout by einsum into a zeros buffer.
+    ``dtype``: what it computes in (None: the caller's dtype, as ``wide_spellings``' port has
+    it)."""
+
+    dtype: Optional[torch.dtype] = torch.float32
 
     def __init__(self, site=None, fn=None):
         super().__init__()
@@ -205,11 +220,11 @@ class FlaNaiveStyle(nn.Module):
 
     def forward(self, q, k, v, beta, g, initial_state):
         at = self.at
-        q, k, v, beta, g = map(lambda x: x.transpose(1, 2).contiguous().to(torch.float32),
+        q, k, v, beta, g = map(lambda x: _cast(x.transpose(1, 2).contiguous(), self.dtype),
                                [q, k, v, beta, g])
         Bn, Hn, Tn, Kd = k.shape
         o = torch.zeros(Bn, Hn, Tn, v.shape[-1]).to(v)
-        h = initial_state.to(torch.float32)
+        h = _cast(initial_state, self.dtype)
         q = q * Kd ** -0.5
         for i in range(Tn):
             b_q = q[:, :, i]
@@ -312,6 +327,7 @@ class Base:
     scale: str  # "rsqrt" or "one"
     args: Callable  # canonical dict -> the module's arguments
     outs: Callable  # the module's outputs -> canonical (o [B, T, H, Dv], S [B, H, Dk, Dv])
+    hop: bool = False  # a loop handed to a higher-order op (``wide_spellings``' scan loop)
 
 
 BASES = {b.name: b for b in [
@@ -590,6 +606,38 @@ LOOKALIKE = {c.name: c for c in LOOKALIKES}
 
 # --- the chunked form -------------------------------------------------------------------------
 
+def wy_blocks(q, k, v, beta, g, n, chunk, at):
+    """The chunked (WY) form's operands from head-major ones [B, H, n * chunk, D]: q / sqrt(Dk),
+    k, v * beta and k * beta, each cut into n chunks [B, H, n, chunk, D], and the cumulative
+    gate per chunk (mutation point 'cumgate'). (``wide_spellings``' chunked form's too.)"""
+    Bn, Hn, Dk = k.shape[0], k.shape[1], k.shape[-1]
+    q = q * (Dk ** -0.5)
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, v_beta, k_beta = (x.reshape(Bn, Hn, n, chunk, x.shape[-1])
+                            for x in (q, k, v_beta, k_beta))
+    G = at("cumgate", g.reshape(Bn, Hn, n, chunk).cumsum(dim=-1))
+    return q, k, v_beta, k_beta, G
+
+
+def wy_solve_rows(A, chunk):
+    """The strictly lower A [..., chunk, chunk] solved in place row by row: each row plus
+    itself times the rows above it."""
+    for i in range(1, chunk):
+        row = A[..., i, :i].clone()
+        A[..., i, :i] = row + (row.unsqueeze(-1) * A[..., :i, :i].clone()).sum(-2)
+
+
+def wy_carry(S, out, c, q_c, k_c, G_c, u_c, w_c, scores):
+    """Chunk c of the WY form: its output written to ``out[:, :, c]``; returns the state
+    carried past it (before the 'state' mutation point)."""
+    v_new = u_c - w_c @ S
+    out[:, :, c] = (q_c * G_c.unsqueeze(-1).exp()) @ S + scores @ v_new
+    last = G_c[:, :, -1]
+    return S * last[..., None, None].exp() + (
+        k_c * (last.unsqueeze(-1) - G_c).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
+
+
 def chunked_rule(q, k, v, g, beta, s0, chunk=4, at=None):
     """The chunked (WY) gated delta rule written by hand in transformers' manner: sequence-
     major in, head-major f32 inside, q / sqrt(Dk), F.pad to a multiple of the chunk where T is
@@ -600,25 +648,18 @@ def chunked_rule(q, k, v, g, beta, s0, chunk=4, at=None):
     at = at or Edits()
     q, k, v, beta, g = [x.transpose(1, 2).contiguous().to(torch.float32)
                         for x in (q, k, v, beta, g)]
-    Bn, Hn, Tn, Dk = k.shape
+    Bn, Hn, Tn, _ = k.shape
     Dv = v.shape[-1]
     pad = (chunk - Tn % chunk) % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
     n = (Tn + pad) // chunk
-    q = q * (Dk ** -0.5)
-    v_beta = v * beta.unsqueeze(-1)
-    k_beta = k * beta.unsqueeze(-1)
-    q, k, v_beta, k_beta = (x.reshape(Bn, Hn, n, chunk, x.shape[-1])
-                            for x in (q, k, v_beta, k_beta))
-    G = at("cumgate", g.reshape(Bn, Hn, n, chunk).cumsum(dim=-1))
+    q, k, v_beta, k_beta, G = wy_blocks(q, k, v, beta, g, n, chunk, at)
     diag_up = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool), diagonal=0)
     decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).tril().exp().tril()
     A = -((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(diag_up, 0)
-    for i in range(1, chunk):
-        row = A[..., i, :i].clone()
-        A[..., i, :i] = row + (row.unsqueeze(-1) * A[..., :i, :i].clone()).sum(-2)
+    wy_solve_rows(A, chunk)
     A = A + torch.eye(chunk)
     u = A @ v_beta
     w = A @ (k_beta * G.exp().unsqueeze(-1))
@@ -628,25 +669,24 @@ def chunked_rule(q, k, v, g, beta, s0, chunk=4, at=None):
     for c in range(n):
         q_c, k_c, G_c = q[:, :, c], k[:, :, c], G[:, :, c]
         scores = (q_c @ k_c.transpose(-1, -2) * decay[:, :, c]).masked_fill(strict_up, 0)
-        v_new = u[:, :, c] - w[:, :, c] @ S
-        out[:, :, c] = (q_c * G_c.unsqueeze(-1).exp()) @ S + scores @ v_new
-        last = G_c[:, :, -1]
-        S = S * last[..., None, None].exp() + (
-            k_c * (last.unsqueeze(-1) - G_c).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
+        S = wy_carry(S, out, c, q_c, k_c, G_c, u[:, :, c], w[:, :, c], scores)
         S = at("state", S)
     out = out.reshape(Bn, Hn, -1, Dv)[:, :, :Tn]
     return out.transpose(1, 2).contiguous(), S
 
 
 class ChunkedRule(nn.Module):
-    """The hand-written chunked rule (chunk 4) with an optional piecewise op."""
+    """The hand-written chunked rule (chunk 4) with an optional piecewise op. ``rule``: the
+    chunked function it runs (``wide_spellings``' ChunkedWY runs its own)."""
+
+    rule = staticmethod(chunked_rule)
 
     def __init__(self, site=None, fn=None, chunk=4):
         super().__init__()
         self.at, self.chunk = Edits(site, fn), chunk
 
     def forward(self, q, k, v, g, beta, s0):
-        return chunked_rule(q, k, v, g, beta, s0, chunk=self.chunk, at=self.at)
+        return self.rule(q, k, v, g, beta, s0, chunk=self.chunk, at=self.at)
 
 
 CHUNK_T = 12  # three chunks of 4
@@ -709,11 +749,13 @@ class ConvUpdate(nn.Module):
     """The causal conv1d update as a model file writes it: cat(state, x), the last K samples
     copied back into the state, a depthwise F.conv1d, the last T positions, SiLU. Mutation
     points: 'window' (the state read), 'pre' (the conv output before SiLU), 'written' (the
-    state written back)."""
+    state written back). ``seed``: the one its weights are drawn with."""
+
+    seed = 7
 
     def __init__(self, site=None, fn=None):
         super().__init__()
-        gen = torch.Generator().manual_seed(7)
+        gen = torch.Generator().manual_seed(self.seed)
         self.weight = nn.Parameter(torch.randn(CONV_C, 1, CONV_K, generator=gen) * 0.5)
         self.bias = nn.Parameter(torch.randn(CONV_C, generator=gen) * 0.1)
         self.at = Edits(site, fn)
@@ -727,11 +769,14 @@ class ConvUpdate(nn.Module):
 
 class ConvStepRoll(nn.Module):
     """mamba's single-token step: roll the state in place, x into the last column, the sum of
-    the state times the taps, bias, SiLU; x and out [B, C]. Mutation point: 'pre'."""
+    the state times the taps, bias, SiLU; x and out [B, C]. Mutation point: 'pre'. ``seed``:
+    the one its weights are drawn with."""
+
+    seed = 8
 
     def __init__(self, site=None, fn=None):
         super().__init__()
-        gen = torch.Generator().manual_seed(8)
+        gen = torch.Generator().manual_seed(self.seed)
         self.weight = nn.Parameter(torch.randn(CONV_C, CONV_K, generator=gen) * 0.5)
         self.bias = nn.Parameter(torch.randn(CONV_C, generator=gen) * 0.1)
         self.at = Edits(site, fn)

@@ -74,9 +74,10 @@ def scale_of(base) -> float:
 
 # --- comparisons ---------------------------------------------------------------------------
 
-def agree(got, want, tol=1e-5) -> str:
+def agree(got, want, tol=1e-5, floor=1.0) -> str:
     """'' when the outputs agree (the same nan and inf entries, finite ones within ``tol``
-    of the largest finite magnitude), else what differs."""
+    of the largest finite magnitude, or of ``floor`` where that is larger), else what
+    differs. (test_wide_domain's too, with a tiny floor: relative at every scale.)"""
     got, want = flat(got), flat(want)
     if len(got) != len(want):
         return f"{len(got)} outputs, expected {len(want)}"
@@ -91,7 +92,7 @@ def agree(got, want, tol=1e-5) -> str:
             return f"output {i}: inf in different places"
         finite = b.isfinite()
         if finite.any():
-            size = max(b[finite].abs().max().item(), 1.0)
+            size = max(b[finite].abs().max().item(), floor)
             err = (a[finite] - b[finite]).abs().max().item()
             if err > tol * size:
                 return f"output {i}: differs by {err / size:.3g} relative"
@@ -99,14 +100,17 @@ def agree(got, want, tol=1e-5) -> str:
 
 
 def run(program, args):
-    """(outputs, the inputs after the run) of an ExportedProgram on clones of ``args``."""
+    """(outputs, the inputs after the run) of a program (an ExportedProgram, or a module
+    such as make_fx's GraphModule) on clones of ``args``."""
     args = clone(args)
     with torch.no_grad():
-        out = program.module()(*args)
+        out = (program.module() if isinstance(program, torch.export.ExportedProgram)
+               else program)(*args)
     return flat(out) + list(args)
 
 
 def eager(module, args):
+    """The module's outputs and its inputs after the call (the conv writes its state)."""
     args = clone(args)
     with torch.no_grad():
         out = module(*args)

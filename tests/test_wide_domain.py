@@ -29,14 +29,15 @@ inputs; a few exact identities spelled oddly may fuse, and are right when they d
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import gdn_fx
-from tensors import clone, flat
+import test_piecewise
+from tensors import clone
+from test_piecewise import eager, run, scale_of
 from wide_spellings import (
     BASES, CHUNK_MUTANTS, CONV_BASES, CONV_MUTANTS, DK, IDENTITY_CONTROLS, MUTANT, MUTANTS,
     PLAIN, STEP_MUTANTS, WIDES, ChunkedWY, chunk_operands, operands,
@@ -87,51 +88,13 @@ def update64(x, state, weight, bias):
     return (out[..., 0] if one else out), full[..., -state.shape[-1]:]
 
 
-def scale_of(base) -> float:
-    return DK ** -0.5 if base.scale == "rsqrt" else 1.0
-
-
 # --- comparisons and runs -----------------------------------------------------------------
 
 def agree(got, want, tol) -> str:
     """'' when the outputs agree (nan and inf entries in the same places, finite ones within
     ``tol`` of the largest finite magnitude: relative at every scale, tiny ones included),
     else what differs."""
-    got, want = flat(got), flat(want)
-    if len(got) != len(want):
-        return f"{len(got)} outputs, expected {len(want)}"
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a.shape != b.shape:
-            return f"output {i}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        a, b = a.double(), b.double()
-        if not torch.equal(a.isnan(), b.isnan()):
-            return f"output {i}: nan in different places"
-        if not torch.equal(a == math.inf, b == math.inf) or \
-                not torch.equal(a == -math.inf, b == -math.inf):
-            return f"output {i}: inf in different places"
-        finite = b.isfinite() & a.isfinite()
-        if finite.any():
-            size = max(b[finite].abs().max().item(), 1e-300)
-            err = (a[finite] - b[finite]).abs().max().item()
-            if err > tol * size:
-                return f"output {i}: differs by {err / size:.3g} relative"
-    return ""
-
-
-def eager(module, args):
-    """The module's outputs and its inputs after the call (the conv writes its state)."""
-    args = clone(args)
-    with torch.no_grad():
-        out = module(*args)
-    return flat(out) + list(args)
-
-
-def run(program, args):
-    args = clone(args)
-    with torch.no_grad():
-        out = (program.module() if isinstance(program, torch.export.ExportedProgram)
-               else program)(*args)
-    return flat(out) + list(args)
+    return test_piecewise.agree(got, want, tol, floor=1e-300)
 
 
 def in64(module, family):

@@ -47,14 +47,20 @@ Nothing here imports gdn_fx.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-B, T, H, DK, DV = 1, 3, 2, 4, 6
+import piecewise_spellings
+from piecewise_spellings import (
+    B, CONV_C, CONV_K, DK, DV, H, Base, ChunkedRule, ConvStepRoll, ConvUpdate, Edits,
+    FlaNaiveStyle, TransformersStyle, wy_blocks, wy_carry, wy_solve_rows,
+)
+
+T = 3
 
 
 # --- the wide operations ---------------------------------------------------------------------
@@ -294,124 +300,28 @@ WIDES = {w.name: w for w in [
 NATURAL = {"f16_plain": 65520.0, "log_exp": 709.8}
 
 
-class Edits(nn.Module):
-    """The mutation points of a step: ``at(site, x)`` is x, or the site's operation of x (a
-    module when it holds a buffer: it is then a submodule of the loop's module)."""
-
-    def __init__(self, site: Optional[str] = None, fn: Optional[Callable] = None):
-        super().__init__()
-        self.site, self.fn = site, fn
-
-    def forward(self, site: str, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x) if site == self.site else x
-
-
 # --- the step bases: one loop per author --------------------------------------------------
 # Canonical operands (what the tests draw): q, k [B, T, H, Dk], v [B, T, H, Dv], g (log
 # decay) [B, T, H] or [B, T, H, Dk] (KDA), beta [B, T, H], s0 [B, H, Dk, Dv] (key first).
+# The loops that piecewise_spellings has too are its own (with its ``Edits``), in the
+# caller's dtype: its einsum step, merged-heads bmm step and KDA step as they are, its
+# transformers and FLA naive loops without their float32 cast. Its extra mutation points
+# (k, v, the decayed state) are the identity here: no mutant below names them.
 
-class RecurrentHF(nn.Module):
+class RecurrentHF(TransformersStyle):
     """transformers' recurrent fallback as a port that keeps the caller's dtype: sequence-
     major in, transposed to [B, H, T, D], q / sqrt(Dk), kv_mem and delta, a preallocated
     output buffer written at [:, :, i]."""
 
-    def __init__(self, site=None, fn=None):
-        super().__init__()
-        self.at = Edits(site, fn)
-
-    def forward(self, query, key, value, g, beta, initial_state):
-        at = self.at
-        query, key, value, beta, g = [x.transpose(1, 2).contiguous()
-                                      for x in (query, key, value, beta, g)]
-        query = query * (1 / (query.shape[-1] ** 0.5))
-        state = initial_state.to(value)
-        core_attn_out = torch.zeros_like(value)
-        for i in range(query.shape[2]):
-            q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
-            g_t = at("gate", g[:, :, i]).exp().unsqueeze(-1).unsqueeze(-1)
-            beta_t = at("beta", beta[:, :, i]).unsqueeze(-1)
-            state = state * g_t
-            kv_mem = at("kv", (state * k_t.unsqueeze(-1)).sum(dim=-2))
-            delta = at("delta", (v_t - kv_mem) * beta_t)
-            state = at("state", state + k_t.unsqueeze(-1) * delta.unsqueeze(-2))
-            core_attn_out[:, :, i] = at("out", (state * q_t.unsqueeze(-1)).sum(dim=-2))
-        return core_attn_out.transpose(1, 2).contiguous(), state
+    dtype = None
 
 
-class NaiveClones(nn.Module):
-    """FLA's naive reference manner: (q, k, v, beta, g) order, head-major, q scaled up front,
-    clones of the state, the readout by einsum into a zeros buffer."""
+class NaiveClones(FlaNaiveStyle):
+    """FLA's naive reference manner in the caller's dtype: (q, k, v, beta, g) order,
+    head-major, q scaled up front, clones of the state, the readout by einsum into a zeros
+    buffer."""
 
-    def __init__(self, site=None, fn=None):
-        super().__init__()
-        self.at = Edits(site, fn)
-
-    def forward(self, q, k, v, beta, g, initial_state):
-        at = self.at
-        q, k, v, beta, g = (x.transpose(1, 2).contiguous() for x in (q, k, v, beta, g))
-        o = torch.zeros_like(v)
-        h = initial_state.clone()
-        q = q * k.shape[-1] ** -0.5
-        for i in range(k.shape[2]):
-            b_q, b_k, b_v = q[:, :, i], k[:, :, i], v[:, :, i].clone()
-            h = h.clone() * at("gate", g[:, :, i]).exp()[..., None, None]
-            b_beta = at("beta", beta[:, :, i])
-            b_v = b_v - at("kv", (h.clone() * b_k[..., None]).sum(-2))
-            b_v = at("delta", b_v * b_beta[..., None])
-            h = at("state", h.clone() + b_k.unsqueeze(-1) * b_v.unsqueeze(-2))
-            o[:, :, i] = at("out", torch.einsum("bhd,bhdm->bhm", b_q, h))
-        return o.transpose(1, 2).contiguous(), h
-
-
-class EinsumStep(nn.Module):
-    """Research code: head-major [B, H, T, D] inputs, a step method of einsums, no scale,
-    outputs stacked from a list."""
-
-    def __init__(self, site=None, fn=None):
-        super().__init__()
-        self.at = Edits(site, fn)
-
-    def step(self, S, q_t, k_t, v_t, g_t, b_t):
-        at = self.at
-        S = S * torch.exp(at("gate", g_t))[:, :, None, None]
-        pred = at("kv", torch.einsum("bhk,bhkv->bhv", k_t, S))
-        err = at("delta", (v_t - pred) * at("beta", b_t)[:, :, None])
-        S = at("state", S + torch.einsum("bhk,bhv->bhkv", k_t, err))
-        return S, at("out", torch.einsum("bhk,bhkv->bhv", q_t, S))
-
-    def forward(self, q, k, v, g, beta, s0):
-        S, outs = s0, []
-        for t in range(q.shape[2]):
-            S, o = self.step(S, q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t])
-            outs.append(o)
-        return torch.stack(outs, dim=2), S
-
-
-class BmmMerged(nn.Module):
-    """A kernel port: batch and heads merged, torch.bmm for the read, the rank-one update
-    and the readout, outputs concatenated, the state handed back merged."""
-
-    def __init__(self, site=None, fn=None):
-        super().__init__()
-        self.at = Edits(site, fn)
-
-    def forward(self, q, k, v, g, beta, s0):
-        at = self.at
-        Bn, Tn, Hn, Dk = q.shape
-        Dv = v.shape[-1]
-        q, k, v = (x.permute(0, 2, 1, 3).reshape(Bn * Hn, Tn, x.shape[-1]) for x in (q, k, v))
-        g, beta = (x.permute(0, 2, 1).reshape(Bn * Hn, Tn) for x in (g, beta))
-        S = s0.reshape(Bn * Hn, Dk, Dv)
-        outs = []
-        for t in range(Tn):
-            k_t, v_t = k[:, t], v[:, t]
-            S = S * torch.exp(at("gate", g[:, t])).view(-1, 1, 1)
-            kv = at("kv", torch.bmm(k_t.unsqueeze(1), S).squeeze(1))
-            delta = at("delta", (v_t - kv) * at("beta", beta[:, t]).unsqueeze(1))
-            S = at("state", S + torch.bmm(k_t.unsqueeze(2), delta.unsqueeze(1)))
-            outs.append(at("out", torch.bmm(q[:, t].unsqueeze(1), S)))
-        o = torch.cat(outs, dim=1)
-        return o.reshape(Bn, Hn, Tn, Dv).permute(0, 2, 1, 3), S
+    dtype = None
 
 
 class ValueFirstMatmul(nn.Module):
@@ -434,29 +344,6 @@ class ValueFirstMatmul(nn.Module):
             S = at("state", S + delta[..., :, None] * k[:, t, :, None, :])
             outs.append(at("out", (S @ q[:, t, :, :, None])[..., 0]))
         return torch.stack(outs, 1), S
-
-
-class KdaStep(nn.Module):
-    """A Kimi-delta step: one log gate per key (g [B, T, H, Dk]), S * exp(g_t)[..., None],
-    beta inside the outer product, q / sqrt(Dk), a sequence-major output buffer."""
-
-    def __init__(self, site=None, fn=None):
-        super().__init__()
-        self.at = Edits(site, fn)
-
-    def forward(self, q, k, v, g, beta, s0):
-        at = self.at
-        scale = q.shape[-1] ** -0.5
-        S = s0.clone()
-        o = torch.zeros_like(v)
-        for i in range(q.shape[1]):
-            k_i, v_i = k[:, i], v[:, i]
-            S = S * at("gate", g[:, i])[..., None].exp()
-            read = at("kv", (k_i[..., None] * S).sum(-2))
-            upd = at("delta", at("beta", beta[:, i])[..., None] * (v_i - read))
-            S = at("state", S + torch.einsum("bhk,bhv->bhkv", k_i, upd))
-            o[:, i] = at("out", torch.einsum("bhk,bhkv->bhv", q[:, i] * scale, S))
-        return o, S
 
 
 class ScanLoop(nn.Module):
@@ -484,41 +371,20 @@ class ScanLoop(nn.Module):
         return out.transpose(0, 1), final
 
 
-def _hm(x):
-    return x.transpose(1, 2).contiguous()
-
-
-@dataclass(frozen=True)
-class Base:
-    name: str
-    module: type
-    kda: bool
-    scale: str  # "rsqrt" or "one"
-    args: Callable  # canonical dict -> the module's arguments
-    outs: Callable  # the module's outputs -> canonical (o [B, T, H, Dv], S [B, H, Dk, Dv])
-    hop: bool = False
-
-
 def _vk(s):
     return s.transpose(-1, -2).contiguous()
 
 
+_PIECEWISE = piecewise_spellings.BASES  # the same layouts: their args and outs
 BASES = {b.name: b for b in [
-    Base("recurrent_hf", RecurrentHF, False, "rsqrt",
-         lambda x: (x["q"], x["k"], x["v"], x["g"], x["beta"], x["s0"]), lambda r: r),
-    Base("naive_clones", NaiveClones, False, "rsqrt",
-         lambda x: (x["q"], x["k"], x["v"], x["beta"], x["g"], x["s0"]), lambda r: r),
-    Base("einsum_step", EinsumStep, False, "one",
-         lambda x: tuple(_hm(x[n]) for n in ("q", "k", "v", "g", "beta")) + (x["s0"],),
-         lambda r: (_hm(r[0]), r[1])),
-    Base("bmm_merged", BmmMerged, False, "one",
-         lambda x: (x["q"], x["k"], x["v"], x["g"], x["beta"], x["s0"]),
-         lambda r: (r[0], r[1].reshape(B, H, DK, DV))),
+    replace(_PIECEWISE["transformers"], name="recurrent_hf", module=RecurrentHF),
+    replace(_PIECEWISE["fla_naive"], name="naive_clones", module=NaiveClones),
+    replace(_PIECEWISE["einsum"], name="einsum_step"),
+    replace(_PIECEWISE["bmm"], name="bmm_merged"),
     Base("value_first", ValueFirstMatmul, False, "rsqrt",
          lambda x: (x["q"], x["k"], x["v"], x["g"], x["beta"], _vk(x["s0"])),
          lambda r: (r[0], _vk(r[1]))),
-    Base("kda_step", KdaStep, True, "rsqrt",
-         lambda x: (x["q"], x["k"], x["v"], x["g"], x["beta"], x["s0"]), lambda r: r),
+    replace(_PIECEWISE["kda"], name="kda_step"),
     Base("scan_hop", ScanLoop, False, "one",
          lambda x: (x["q"], x["k"], x["v"], x["g"], x["beta"], x["s0"]), lambda r: r,
          hop=True),
@@ -532,16 +398,10 @@ def _gen(seed):
 
 
 def operands(*, kda=False, t=T, seed=0, dtype=torch.float32) -> dict:
-    """Well-behaved canonical operands (the start of every crossing): q ~ N(0, 1), k ~
-    N(0, 0.25), v ~ N(0, 1), g in [-0.95, -0.05], beta in [0.05, 0.95], s0 ~ N(0, 0.25)."""
-    gen = _gen(seed)
-    gate = (B, t, H, DK) if kda else (B, t, H)
-    x = {"q": torch.randn(B, t, H, DK, generator=gen),
-         "k": torch.randn(B, t, H, DK, generator=gen) * 0.5,
-         "v": torch.randn(B, t, H, DV, generator=gen),
-         "g": -(torch.rand(*gate, generator=gen) * 0.9 + 0.05),
-         "beta": torch.rand(B, t, H, generator=gen) * 0.9 + 0.05,
-         "s0": torch.randn(B, H, DK, DV, generator=gen) * 0.5}
+    """Well-behaved canonical operands (the start of every crossing): piecewise_spellings'
+    (q ~ N(0, 1), k ~ N(0, 0.25), v ~ N(0, 1), g in [-0.95, -0.05], beta in [0.05, 0.95],
+    s0 ~ N(0, 0.25)) in ``dtype``."""
+    x = piecewise_spellings.operands(kda=kda, t=t, seed=seed)
     return {n: a.to(dtype) for n, a in x.items()}
 
 
@@ -734,22 +594,15 @@ def chunked_wy(q, k, v, g, beta, s0, chunk=4, at=None):
     T must be a multiple of the chunk. ``at``: mutation points 'cumgate', 'state'."""
     at = at or Edits()
     q, k, v, beta, g = (x.transpose(1, 2).contiguous() for x in (q, k, v, beta, g))
-    Bn, Hn, Tn, Dk = k.shape
+    Bn, Hn, Tn, _ = k.shape
     Dv = v.shape[-1]
     n = Tn // chunk
-    q = q * (Dk ** -0.5)
-    v_beta = v * beta.unsqueeze(-1)
-    k_beta = k * beta.unsqueeze(-1)
-    q, k, v_beta, k_beta = (x.reshape(Bn, Hn, n, chunk, x.shape[-1])
-                            for x in (q, k, v_beta, k_beta))
-    G = at("cumgate", g.reshape(Bn, Hn, n, chunk).cumsum(dim=-1))
+    q, k, v_beta, k_beta, G = wy_blocks(q, k, v, beta, g, n, chunk, at)
     lower = torch.ones(chunk, chunk, dtype=q.dtype).tril()
     strict = torch.ones(chunk, chunk, dtype=q.dtype).tril(-1)
     decay = ((G.unsqueeze(-1) - G.unsqueeze(-2)) * lower).exp() * lower
     A = -(k_beta @ k.transpose(-1, -2)) * decay * strict
-    for i in range(1, chunk):
-        row = A[..., i, :i].clone()
-        A[..., i, :i] = row + (row.unsqueeze(-1) * A[..., :i, :i].clone()).sum(-2)
+    wy_solve_rows(A, chunk)
     A = A + torch.eye(chunk, dtype=q.dtype)
     u = A @ v_beta
     w = A @ (k_beta * G.exp().unsqueeze(-1))
@@ -758,41 +611,25 @@ def chunked_wy(q, k, v, g, beta, s0, chunk=4, at=None):
     for c in range(n):
         q_c, k_c, G_c = q[:, :, c], k[:, :, c], G[:, :, c]
         scores = (q_c @ k_c.transpose(-1, -2)) * decay[:, :, c]
-        v_new = u[:, :, c] - w[:, :, c] @ S
-        out[:, :, c] = (q_c * G_c.unsqueeze(-1).exp()) @ S + scores @ v_new
-        last = G_c[:, :, -1]
-        S = S * last[..., None, None].exp() + (
-            k_c * (last.unsqueeze(-1) - G_c).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
+        S = wy_carry(S, out, c, q_c, k_c, G_c, u[:, :, c], w[:, :, c], scores)
         S = at("state", S)
     return out.reshape(Bn, Hn, Tn, Dv).transpose(1, 2).contiguous(), S
 
 
-class ChunkedWY(nn.Module):
-    def __init__(self, site=None, fn=None, chunk=4):
-        super().__init__()
-        self.at, self.chunk = Edits(site, fn), chunk
+class ChunkedWY(ChunkedRule):
+    """piecewise_spellings' chunked module (chunk 4, an optional operation) on
+    ``chunked_wy``."""
 
-    def forward(self, q, k, v, g, beta, s0):
-        return chunked_wy(q, k, v, g, beta, s0, chunk=self.chunk, at=self.at)
+    rule = staticmethod(chunked_wy)
 
 
 CHUNK_T = 8  # two chunks of 4
 
 
 def chunk_operands(t=CHUNK_T, seed=0, dtype=torch.float32) -> dict:
-    """Operands the chunked algebra is well conditioned on: q and k rows of norm 1, g in
-    [-0.5, -0.01], beta in [0.05, 0.95]."""
-    gen = _gen(seed)
-
-    def unit_rows(*shape):
-        x = torch.randn(*shape, generator=gen)
-        return x / x.norm(dim=-1, keepdim=True)
-
-    x = {"q": unit_rows(B, t, H, DK), "k": unit_rows(B, t, H, DK),
-         "v": torch.randn(B, t, H, DV, generator=gen),
-         "g": -(torch.rand(B, t, H, generator=gen) * 0.49 + 0.01),
-         "beta": torch.rand(B, t, H, generator=gen) * 0.9 + 0.05,
-         "s0": torch.randn(B, H, DK, DV, generator=gen) * 0.5}
+    """Operands the chunked algebra is well conditioned on (piecewise_spellings': q and k
+    rows of norm 1, g in [-0.5, -0.01], beta in [0.05, 0.95]) in ``dtype``."""
+    x = piecewise_spellings.chunk_operands(t, seed=seed)
     return {n: a.to(dtype) for n, a in x.items()}
 
 
@@ -861,45 +698,19 @@ CHUNK_MUTANTS = [
 
 # --- the conv update ----------------------------------------------------------------------
 
-CONV_C, CONV_K = 6, 4
+class ConvCat(ConvUpdate):
+    """piecewise_spellings' conv update (cat(state, x), the last K samples copied back into
+    the state, a depthwise F.conv1d, the last T positions, SiLU; mutation points 'window',
+    'pre', 'written') with weights of another seed."""
+
+    seed = 17
 
 
-class ConvCat(nn.Module):
-    """The causal conv1d update as a model file writes it: cat(state, x), the last K samples
-    copied back into the state, a depthwise F.conv1d, the last T positions, SiLU. Mutation
-    points: 'window' (the state read), 'pre' (the conv output before SiLU), 'written' (the
-    state written back)."""
+class ConvRoll(ConvStepRoll):
+    """piecewise_spellings' mamba single-token step (the state rolled in place, x into the
+    last column, the taps, bias, SiLU; mutation point 'pre') with weights of another seed."""
 
-    def __init__(self, site=None, fn=None):
-        super().__init__()
-        gen = _gen(17)
-        self.weight = nn.Parameter(torch.randn(CONV_C, 1, CONV_K, generator=gen) * 0.5)
-        self.bias = nn.Parameter(torch.randn(CONV_C, generator=gen) * 0.1)
-        self.at = Edits(site, fn)
-
-    def forward(self, x, state):
-        full = torch.cat([self.at("window", state), x], dim=-1)
-        state.copy_(self.at("written", full[:, :, -state.shape[-1]:]))
-        y = F.conv1d(full, self.weight, self.bias, groups=CONV_C)[..., -x.shape[-1]:]
-        return F.silu(self.at("pre", y))
-
-
-class ConvRoll(nn.Module):
-    """mamba's single-token step: roll the state in place, x into the last column, the sum of
-    the state times the taps, bias, SiLU; x and out [B, C]. Mutation point: 'pre'."""
-
-    def __init__(self, site=None, fn=None):
-        super().__init__()
-        gen = _gen(18)
-        self.weight = nn.Parameter(torch.randn(CONV_C, CONV_K, generator=gen) * 0.5)
-        self.bias = nn.Parameter(torch.randn(CONV_C, generator=gen) * 0.1)
-        self.at = Edits(site, fn)
-
-    def forward(self, x, conv_state):
-        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
-        conv_state[:, :, -1] = x
-        y = torch.sum(conv_state * self.weight, dim=-1) + self.bias
-        return F.silu(self.at("pre", y))
+    seed = 18
 
 
 CONV_BASES = {"cat": ConvCat, "roll": ConvRoll}
