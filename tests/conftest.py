@@ -42,3 +42,25 @@ def demo_nnef(folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("nnef") / "demo.nnef.tgz"
     assert main(["export", "--model", str(folder), "--out", str(out), "--no-check"]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def shared_export(tmp_path_factory):
+    """``shared_export(family, overrides=None, **options)`` -> (model, files): the tiny model
+    of ``family`` (``tiny_model`` with ``overrides``) exported by ``export_generator`` with
+    ``options``, made once a session per key and shared by the tests that only read the
+    artifact (a test that writes beside it, or needs its own folder, exports its own)."""
+    made = {}
+
+    def get(family: str = "qwen3_5", overrides: dict | None = None, **options):
+        from gdn_fx.hf import tiny_model
+        from gdn_fx.hf.generator import export_generator
+
+        key = (family, tuple(sorted((overrides or {}).items())), tuple(sorted(options.items())))
+        if key not in made:
+            model = tiny_model(family, **(overrides or {}))
+            folder = tmp_path_factory.mktemp(f"{family}_export")
+            made[key] = model, export_generator(model, folder / f"{family}.nnef.tgz", **options)
+        return made[key]
+
+    return get

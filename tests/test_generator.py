@@ -38,9 +38,8 @@ def _prompt(length: int = 37, seed: int = 1) -> list:
 
 
 @pytest.mark.parametrize("family", GENERATING)
-def test_tract_generates_what_transformers_generates(tmp_path, family):
-    model = tiny_model(family)
-    files = export_generator(model, tmp_path / f"{family}.nnef.tgz")
+def test_tract_generates_what_transformers_generates(shared_export, family):
+    model, files = shared_export(family)
     generator = Generator(files.main, files.decode)
     for seed in (1, 2):  # the second run reuses the kept tract States
         result = generator.generate(_prompt(seed=seed), 64)
@@ -59,22 +58,20 @@ def test_a_tied_lm_head_generates_exactly(tmp_path):
     assert found.ok, str(found)
 
 
-def test_a_prompt_fed_in_chunks_generates_what_transformers_generates(tmp_path):
+def test_a_prompt_fed_in_chunks_generates_what_transformers_generates(shared_export):
     # 37 tokens in calls of 8 (the last one 5) and of 1 (every call a decode-graph step):
     # the artifact carries its caches across calls, so the tokens and logits must not change.
-    model = tiny_model("qwen3_5")
-    files = export_generator(model, tmp_path / "q.nnef.tgz")
+    model, files = shared_export("qwen3_5")
     for chunk in (8, 1):
         result = Generator(files.main, files.decode, prefill_chunk=chunk).generate(_prompt(), 16)
         found = check_generation(model, result)
         assert found.ok, f"chunks of {chunk}: {found}"
 
 
-def test_caches_go_back_in_as_tract_tensors_unchanged(tmp_path):
+def test_caches_go_back_in_as_tract_tensors_unchanged(shared_export):
     # The Generator feeds each call's output Tensors to the next call as they are (no numpy
     # round trip): that is right only while tract neither consumes nor writes its inputs.
-    model = tiny_model("qwen3_5")
-    files = export_generator(model, tmp_path / "q.nnef.tgz")
+    _, files = shared_export("qwen3_5")
     generator = Generator(files.main, files.decode)
     ids = np.array([_prompt(9)], dtype=np.int64)
     _, caches = generator.step(generator.main, ids, generator.zero_states)
@@ -281,15 +278,14 @@ print(json.dumps(Generator(sys.argv[1]).generate(json.loads(sys.argv[2]), 12).to
 """
 
 
-def test_generating_needs_neither_torch_to_nnef_nor_nnef_tools(tmp_path):
+def test_generating_needs_neither_torch_to_nnef_nor_nnef_tools(shared_export):
     # A GPU box that runs artifacts exported elsewhere has tract, not the export toolchain
     # (the generator's automatic prompt chunk once imported the lowering's writers).
     import json
     import subprocess
     import sys
 
-    model = tiny_model("qwen3_5")
-    files = export_generator(model, tmp_path / "q.nnef.tgz")
+    model, files = shared_export("qwen3_5")
     prompt = _prompt(70)
     out = subprocess.run([sys.executable, "-c", RUN_ONLY, str(files.main), json.dumps(prompt)],
                          capture_output=True, text=True, check=True).stdout
