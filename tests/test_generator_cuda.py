@@ -61,8 +61,8 @@ def test_cuda_export_generates_on_the_cpu_runtime(cuda_export):
     assert found.ok, str(found)
 
 
-def test_default_export_stays_cpu(tmp_path):
-    files = export_generator(tiny_model("qwen3_5"), tmp_path / "c.nnef.tgz")
+def test_default_export_stays_cpu(shared_export):
+    _, files = shared_export("qwen3_5")
     assert tract_check.read_runtime(files.main) == "cpu"
     assert tract_check.read_cpu_fallbacks(files.main) == []
 

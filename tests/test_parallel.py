@@ -12,9 +12,8 @@ import torch
 
 from gdn_fx.cli import main
 from gdn_fx.errors import UsageError
-from gdn_fx.hf import tiny_model
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
-from gdn_fx.hf.generator import Generator, check_generation, export_generator
+from gdn_fx.hf.generator import Generator, check_generation
 from gdn_fx.parallel import generate_all, serve, stream_all
 
 pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
@@ -29,10 +28,8 @@ def _prompt(length: int, seed: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    model = tiny_model("qwen3_5")
-    files = export_generator(model, tmp_path_factory.mktemp("par") / "q.nnef.tgz")
-    return model, files
+def exported(shared_export):
+    return shared_export("qwen3_5")  # conftest.py's, shared with test_generator.py
 
 
 def test_every_prompt_generates_what_transformers_gives_it_alone(exported):
