@@ -389,13 +389,9 @@ def _selects(args, kwargs, result):
 def switches(graph: fx.Graph) -> dict:
     """The nodes of a region graph whose result switches on data values reached from its
     inputs (its placeholders), each with its predicates. Literal-made masks do not count."""
-    data, found = set(), {}
+    data, found = _data_nodes(graph), {}
     for node in graph.nodes:
-        if node.op == "placeholder":
-            data.add(node)
-        elif node.op in ("call_function", "call_method") and \
-                any(a in data for a in node.all_input_nodes):
-            data.add(node)
+        if node in data and node.op != "placeholder":
             tests = _tests_of(node)
             if tests is not None and _selects_by_data(node, data):
                 found[node] = tests

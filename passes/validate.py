@@ -133,28 +133,28 @@ class Validator:
         drawn = [i for i, (node, x) in enumerate(zip(self.placeholders, self.inputs))
                  if node.name not in self.fixed and node.name not in self.examples and
                  isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()]
-        changes = [(drawn, f, f"scaled by {f:g}") for f in WIDE] + \
-            [(drawn, -NEGATIVE, f"made negative and {NEGATIVE:g} times larger")]
+        # each probe: {input index: its factor}, and what it is in words
+        probes = [({i: f for i in drawn}, f"scaled by {f:g}") for f in WIDE] + \
+            [({i: -NEGATIVE for i in drawn}, f"made negative and {NEGATIVE:g} times larger")]
         if len(drawn) <= ALONE:
             names = {i: self.placeholders[i].name for i in drawn}
-            changes += [([i], f, f"with {names[i]} scaled by {f:g}" if f else
-                         f"with {names[i]} all zeros") for i in drawn
-                        for f in (WIDE[1], -NEGATIVE, 0.0)]
+            probes += [({i: f}, f"with {names[i]} scaled by {f:g}" if f else
+                        f"with {names[i]} all zeros") for i in drawn
+                       for f in (WIDE[1], -NEGATIVE, 0.0)]
             # all small, one of them zero (a fresh state beside small values: a stray
             # epsilon shows there)
-            changes += [(drawn, (WIDE[-1], i), f"scaled by {WIDE[-1]:g}, {names[i]} all zeros")
-                        for i in drawn]
+            probes += [({j: 0.0 if j == i else WIDE[-1] for j in drawn},
+                        f"scaled by {WIDE[-1]:g}, {names[i]} all zeros") for i in drawn]
         self.wide = []
-        for which, factor, what in changes:
-            factor, zeroed = factor if isinstance(factor, tuple) else (factor, None)
-            inputs = [_changed(x, 0.0 if i == zeroed else factor) if i in which else
-                      _widened(x) for i, x in enumerate(self.inputs)]
+        for factors, what in probes:
+            inputs = [_changed(x, factors[i]) if i in factors else _widened(x)
+                      for i, x in enumerate(self.inputs)]
             try:
                 reference = self._run(self.root, True, inputs)
             except Exception:  # noqa: BLE001 (an original that fails there proves nothing)
                 continue
             if all(_finite(t) for _, t in reference):
-                self.wide.append((inputs, which, reference, what))
+                self.wide.append((inputs, list(factors), reference, what))
         return self.wide
 
     def _conditioned(self, inputs: list, which: list, reference: list) -> bool:
@@ -170,8 +170,8 @@ class Validator:
             got = self._run(self.root, True, moved)
         except Exception:  # noqa: BLE001
             return False
-        return all(_disagreement(g, w)[0] <= _disagreement(g, w)[1] / 4
-                   for (_, g), (_, w) in zip(got, reference))
+        return all(error <= bound / 4 for error, bound in
+                   (_disagreement(g, w) for (_, g), (_, w) in zip(got, reference)))
 
     def settle(self, name: str, graph: fx.Graph, fusions: list[Fusion]
                ) -> tuple[fx.Graph, list[Fusion], list[Miss]]:
