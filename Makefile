@@ -22,10 +22,10 @@ demo: $(STAMP)
 	$(VENV)/bin/gdn-fx demo --text
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

@@ -6,7 +6,9 @@ lower matrix A = beta k k^T e^(G_i - G_j), its inverse (I + A)^-1 by forward sub
 intra-chunk part and the part read from the state carried from chunk to chunk. The spellings
 are written the way their authors write them (FLA's naive chunk references: einsum / ``@``,
 rearranges spelled with torch reshapes, triu masks, the in-loop solve, chunk size 64, their
-argument orders and layouts). Nothing here imports gdn_fx: this is what a recognizer is tested
+argument orders and layouts; FLA's KDA, whose chunk is its ``chunk_size`` argument, at 16 or 32:
+its unrolled graph is 2-4x smaller, and transformers' own chunk-64 KDA is exported whole by
+tests/test_collapse_models.py). Nothing here imports gdn_fx: this is what a recognizer is tested
 on. ``reference(args, scan)`` recomputes a spelling's outputs with a canonical-layout ``scan``
 the test supplies (the arithmetic of the oracle is the test's own).
 
@@ -361,15 +363,16 @@ SPELLINGS = [
     Spelling("fla_chunk_gdn_no_state", "gdn", FlaChunkGDNNoState,
              inputs(1, 20, 3, 8, 8, state=False, seed=3),
              reference(state=False, final_state=False)),
-    # FLA KDA: T a multiple of 64 (as it requires); one key head per value head
-    Spelling("fla_chunk_kda", "kda", FlaChunkKDA, inputs(1, 128, 2, 8, 6, kda=True, seed=4),
-             reference()),
-    Spelling("fla_chunk_kda_one_chunk", "kda", FlaChunkKDA,
-             inputs(1, 64, 2, 4, 4, kda=True, seed=5), reference()),
+    # FLA KDA: T a multiple of the chunk (as it requires); one key head per value head; two
+    # chunks of 16, one of 32
+    Spelling("fla_chunk_kda", "kda", lambda: FlaChunkKDA(chunk_size=16),
+             inputs(1, 32, 2, 8, 6, kda=True, seed=4), reference()),
+    Spelling("fla_chunk_kda_one_chunk", "kda", lambda: FlaChunkKDA(chunk_size=32),
+             inputs(1, 32, 2, 4, 4, kda=True, seed=5), reference()),
     # grouped value heads (GQA): FLA's KDA repeats q and k itself, after chunking; a caller
     # repeats them for FLA's GDN, interleaved (Qwen3-Next's habit) or tiled
-    Spelling("fla_chunk_kda_gqa", "kda", FlaChunkKDA,
-             inputs(1, 128, 6, 4, 4, hk=3, kda=True, seed=7), reference()),
+    Spelling("fla_chunk_kda_gqa", "kda", lambda: FlaChunkKDA(chunk_size=16),
+             inputs(1, 32, 6, 4, 4, hk=3, kda=True, seed=7), reference()),
     Spelling("fla_chunk_gdn_gqa", "gdn", GroupedFlaChunkGDN,
              inputs(1, 70, 4, 8, 6, hk=2, seed=8), reference()),
     Spelling("fla_chunk_gdn_gqa_tiled", "gdn", lambda: GroupedFlaChunkGDN(tiled=True),
@@ -389,11 +392,13 @@ MUTANTS = [
     Mutant("fla_gdn_state_not_carried", "fla_chunk_gdn", lambda: FlaChunkGDN(carry=False),
            "every chunk reads the initial state: the state is not carried"),
     Mutant("fla_kda_beta_off_columns", "fla_chunk_kda",
-           lambda: FlaChunkKDA(beta_on_columns=False),
+           lambda: FlaChunkKDA(chunk_size=16, beta_on_columns=False),
            "(I + A)^-1 not scaled by beta on its columns"),
-    Mutant("fla_kda_qk_gate_sign", "fla_chunk_kda", lambda: FlaChunkKDA(qk_gate_sign=-1.0),
+    Mutant("fla_kda_qk_gate_sign", "fla_chunk_kda",
+           lambda: FlaChunkKDA(chunk_size=16, qk_gate_sign=-1.0),
            "the intra-chunk q k^T decays e^(G_j - G_i) instead of e^(G_i - G_j)"),
-    Mutant("fla_kda_gqa_k_tiled", "fla_chunk_kda_gqa", lambda: FlaChunkKDA(k_tiled=True),
+    Mutant("fla_kda_gqa_k_tiled", "fla_chunk_kda_gqa",
+           lambda: FlaChunkKDA(chunk_size=16, k_tiled=True),
            "k repeated to the value heads tiled (k.repeat) while q is interleaved: value "
            "head h pairs q of key head h // G with k of key head h % Hk (two chunks: the "
            "repeats act on chunked tensors, so the region must start before them)"),

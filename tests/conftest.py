@@ -1,13 +1,23 @@
-"""Test-wide settings, and the artifacts several modules share (built once per session, per
-xdist worker: a whole-model export costs ~10-20 s; the tests only read them)."""
+"""Test-wide settings, and the artifacts several modules share: built once per run, whichever
+xdist worker asks first (the others wait on a file lock and read it; a whole-model export
+costs ~5-20 s), written under pytest's temporary folder. The tests only read them."""
 
+import hashlib
+import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import torch.fx
+from filelock import FileLock
 
 # The tests run tiny tensors: one thread avoids oversubscribing the shared cores and is faster.
 torch.set_num_threads(1)
+# The tests' own torch.export calls without per-node stack traces, as gdn_fx's own are
+# (gdn_fx/tracing.py): a small module exports 2-3x faster. No test reads them, except
+# tests/test_tracing.py, which switches them on where it needs them.
+torch.fx.config.do_not_emit_stack_traces = True
 
 
 @pytest.fixture(autouse=True)
@@ -19,11 +29,34 @@ def _quiet():
 
 
 @pytest.fixture(scope="session")
-def folder(tmp_path_factory):
+def built_once(tmp_path_factory, worker_id):
+    """``built_once(key, build)``: ``build(folder)`` run once per test run for ``key`` (a
+    string naming what it builds and how), in a folder of its own that every xdist worker
+    sees; its (picklable) result is returned to every caller, in every worker."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if worker_id != "master" else base) / "built_once"
+    shared.mkdir(exist_ok=True)
+
+    def get(key: str, build):
+        folder = shared / hashlib.sha256(key.encode()).hexdigest()[:16]
+        with FileLock(f"{folder}.lock"):
+            result = folder / "result.pickle"
+            if not result.exists():
+                folder.mkdir()
+                made = build(folder)
+                result.write_bytes(pickle.dumps(made))
+                return made
+            return pickle.loads(result.read_bytes())
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def folder(built_once):
     """The demo checkpoint folder (config, random weights, a locally trained tokenizer)."""
     from gdn_fx.text import demo_checkpoint
 
-    return demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
+    return built_once("demo checkpoint", lambda into: demo_checkpoint(into / "demo"))
 
 
 @pytest.fixture(scope="session")
@@ -34,33 +67,40 @@ def tokenizer(folder):
 
 
 @pytest.fixture(scope="session")
-def demo_nnef(folder, tmp_path_factory):
+def demo_nnef(folder, built_once):
     """The demo checkpoint exported generation-ready by the command (unchecked: the tests
     check it); the export carries the tokenizer and configs beside it (demo.text)."""
     from gdn_fx.cli import main
 
-    out = tmp_path_factory.mktemp("nnef") / "demo.nnef.tgz"
-    assert main(["export", "--model", str(folder), "--out", str(out), "--no-check"]) == 0
-    return out
+    def build(into: Path) -> Path:
+        out = into / "demo.nnef.tgz"
+        assert main(["export", "--model", str(folder), "--out", str(out), "--no-check"]) == 0
+        return out
+
+    return built_once("demo checkpoint exported by the CLI", build)
 
 
 @pytest.fixture(scope="session")
-def shared_export(tmp_path_factory):
+def shared_export(built_once):
     """``shared_export(family, overrides=None, **options)`` -> (model, files): the tiny model
     of ``family`` (``tiny_model`` with ``overrides``) exported by ``export_generator`` with
-    ``options``, made once a session per key and shared by the tests that only read the
-    artifact (a test that writes beside it, or needs its own folder, exports its own)."""
-    made = {}
+    ``options``, made once a run per key and shared by the tests that only read the artifact
+    (a test that writes beside it, or needs its own folder, exports its own). The model is
+    the one exported: rebuilt from its seed and prepared for NNEF as the export prepares it,
+    in each worker."""
+    models = {}
 
     def get(family: str = "qwen3_5", overrides: dict | None = None, **options):
-        from gdn_fx.hf import tiny_model
+        from gdn_fx.hf import prepare_for_nnef, tiny_model
         from gdn_fx.hf.generator import export_generator
 
-        key = (family, tuple(sorted((overrides or {}).items())), tuple(sorted(options.items())))
-        if key not in made:
-            model = tiny_model(family, **(overrides or {}))
-            folder = tmp_path_factory.mktemp(f"{family}_export")
-            made[key] = model, export_generator(model, folder / f"{family}.nnef.tgz", **options)
-        return made[key]
+        key = repr((family, sorted((overrides or {}).items()), sorted(options.items())))
+        if key not in models:
+            models[key] = tiny_model(family, **(overrides or {}))
+        model = models[key]
+        files = built_once(f"export_generator {key}", lambda into: export_generator(
+            model, into / f"{family}.nnef.tgz", **options))
+        prepare_for_nnef(model)  # what the export did to it, where another worker exported
+        return model, files
 
     return get
