@@ -411,11 +411,14 @@ def test_plain_export_generalized_equals_the_reify_route(tmp_path, family, share
     """A plain torch.export of DecodeStep at fixed (S, P) (prefill path: the chunk rule and
     the conv with its state), generalized: in tract it equals export_generator's artifact
     and eager at untraced (S, P), S = 1 and S = 70 (two chunks) included, and generates 64
-    tokens as transformers' generate does."""
+    tokens as transformers' generate does. The family's model with one layer of each of its
+    kinds (``one_of_each``: six traces of it make this test; test_generator.py generates
+    from the whole tiny models)."""
     from gdn_fx.hf import DecodeStep, prepare_for_nnef, tiny_model
+    from gdn_fx.hf.configs import one_of_each
     from gdn_fx.hf.generator import Generator, check_generation
 
-    model = prepare_for_nnef(tiny_model(family))
+    model = prepare_for_nnef(tiny_model(family, **one_of_each(family)))
     step = DecodeStep(model, last_logits=True, whole_windows=True)
     gen = gdn_fx.generalize(lambda S, P: torch.export.export(  # random: see generalize_step
         step, step.example_inputs(seq_len=S, past_len=P, source="random"), strict=False))
@@ -424,7 +427,7 @@ def test_plain_export_generalized_equals_the_reify_route(tmp_path, family, share
                            output_names=step.output_names)
     # export_generator's artifact of the same tiny model (conftest.py's, shared: it prepares
     # its model for NNEF in place, as done here)
-    reified = shared_export(family)[1].main
+    reified = shared_export(family, one_of_each(family))[1].main
     ours, theirs = tract_check.load(path), tract_check.load(reified)
     for S, P in [(1, 0), (1, 5), (2, 3), (6, 0), (70, 4)]:
         args = step.example_inputs(seq_len=S, past_len=P, source="random", seed=2)

@@ -149,6 +149,19 @@ def tiny_config(name: str, **overrides: Any):
     return config_class(**{**TOKENS, **family(name).fields, **overrides})
 
 
+def one_of_each(name: str) -> dict:
+    """Config overrides that keep one layer of each of family ``name``'s layer types, in their
+    first order (``qwen3_5``: one linear-attention layer, then one full-attention layer): the
+    smallest model that still runs each of the family's code paths, for tests where the
+    number of layers does not matter (a whole-model trace costs about its layer count). {}
+    for a family whose layer kinds are not listed by ``layer_types``."""
+    types = family(name).fields.get("layer_types")
+    if types is None:
+        return {}
+    kept = list(dict.fromkeys(types))
+    return dict(num_hidden_layers=len(kept), layer_types=kept)
+
+
 def tiny_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
                **overrides: Any) -> nn.Module:
     """A random-weight causal LM of family ``name`` in eval mode (weights seeded by ``seed``)."""
