@@ -1,13 +1,15 @@
 # Two commands do everything on a fresh machine with only python3:
 #   make demo    set up .venv, then the embedded default end to end: text in, text out
 #   make test    set up .venv, then run the test suite
-# `make test-fast` skips the whole-model tests (marker "slow"): the loop while developing.
+# `make test-fast` skips the tests marked slow (whole-model exports, and every test that took
+# 0.3 s or more in the last `make durations` run, tests/durations.json): the loop while
+# developing. `make durations` runs the suite and rewrites that record.
 # `make bench` runs the benchmarks (bench/, prints markdown tables).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench setup
+.PHONY: demo test test-fast durations bench setup
 setup: $(STAMP)
 
 # torch first and pinned: pip then takes the CPU build that lies on disk, not a CUDA one.
@@ -26,6 +28,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
+
+durations: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist worksteal --record-durations
+	$(PY) -m pytest -q -n 2 --dist worksteal --record-durations -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

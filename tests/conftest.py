@@ -3,6 +3,7 @@ xdist worker asks first (the others wait on a file lock and read it; a whole-mod
 costs ~5-20 s), written under pytest's temporary folder. The tests only read them."""
 
 import hashlib
+import json
 import pickle
 import warnings
 from pathlib import Path
@@ -104,3 +105,45 @@ def shared_export(built_once):
         return model, files
 
     return get
+
+
+# --- the slow marker, from measured durations ---------------------------------------------
+# A test is slow when it took SLOW_SECONDS or more (setup, call and teardown) in a recorded
+# run on the reference machine (2 cores): `make durations` records the whole suite, then the
+# fast subset (where a test may pay for a cache that slow tests filled before), each run
+# raising the times in DURATIONS (delete it to start again). The modules that export whole
+# models also say `slow` themselves. A test not in DURATIONS counts as fast until recorded.
+# `make test-fast` runs the others.
+SLOW_SECONDS = 0.3
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"write each test's duration >= {SLOW_SECONDS}s to {DURATIONS.name}")
+
+
+def pytest_collection_modifyitems(config, items):
+    measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    for item in items:
+        if measured.get(item.nodeid, 0.0) >= SLOW_SECONDS:
+            item.add_marker(pytest.mark.slow)
+
+
+_durations: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if not session.config.getoption("--record-durations"):
+        return
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes
+        return
+    slow = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    for nodeid, seconds in _durations.items():
+        if seconds >= max(SLOW_SECONDS, slow.get(nodeid, 0.0)):
+            slow[nodeid] = round(seconds, 2)
+    DURATIONS.write_text(json.dumps(dict(sorted(slow.items())), indent=0) + "\n")

@@ -22,6 +22,8 @@ from gdn_fx.hf import tiny_model
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
 from gdn_fx.hf.generator import Generator, check_generation, export_generator
 
+pytestmark = pytest.mark.slow  # module fixtures export whole models (make test-fast skips them)
+
 MISSING = tract_check.runtime_unavailable("cuda")
 on_gpu = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 

@@ -34,6 +34,8 @@ from gdn_fx.hf.generator import Generator, UnverifiedPair, decode_path, export_g
 from gdn_fx.hf.nnef import fingerprint
 from gdn_fx.lowering.t2n.unused_inputs import rewrite_graph_file
 
+pytestmark = pytest.mark.slow  # module fixtures export whole models (make test-fast skips them)
+
 FAMILY = "lfm2"  # the fastest tiny family to export; attention caches (P) and conv states
 _STAMPS = re.compile(r',\s*\("gdn_fx_(fingerprint|vocab|decode)", "[^"]*"\)')
 

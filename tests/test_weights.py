@@ -20,6 +20,8 @@ from gdn_fx import tract_check
 from gdn_fx.errors import GdnFxError, UsageError
 from gdn_fx.hf import DecodeStep, tiny_model
 
+pytestmark = pytest.mark.slow  # module fixtures export whole models (make test-fast skips them)
+
 # Bounds, from the figures measured above with room for other seeds and platforms.
 AS_STORED = 1e-5  # tract vs eager on the stored weights: same arithmetic, f32 rounding only
 F16_VS_EAGER = 2e-3  # weights rounded to f16 once (2^-11 relative per weight)
