@@ -1,7 +1,9 @@
 """Whole transformers hybrids, exported as they stand: every linear-attention layer collapses.
 
 Decode steps (recurrent rule, conv update) in the IR forms a user can hand over, and prefill
-steps (the chunked rule and the padded prefill conv) at one and several chunks.
+steps (the chunked rule and the padded prefill conv) at one and several chunks. The prefill
+steps trace the family's model with one layer of each kind (``one_of_each``: a linear layer's
+chunk loop is ~1000 nodes a chunk, and every linear layer of a family is the same code).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import gdn_fx
 from gdn_fx import tract_check
 from gdn_fx.hf import DecodeStep, tiny_model
+from gdn_fx.hf.configs import one_of_each
 from programs import assert_close_outputs, count_calls, run
 
 pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
@@ -21,7 +24,8 @@ DECODE = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lara_mini", "k
 
 
 def collapsed(family, seq_len, form="training", rule="auto"):
-    step = DecodeStep(tiny_model(family), rule=rule)
+    overrides = one_of_each(family) if seq_len > 1 else {}
+    step = DecodeStep(tiny_model(family, **overrides), rule=rule)
     args = step.example_inputs(seq_len=seq_len)
     program = torch.export.export(step, args, strict=False)
     if form == "core":

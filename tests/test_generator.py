@@ -18,7 +18,7 @@ from gdn_fx import tract_check
 from gdn_fx.cli import main
 from gdn_fx.errors import ExportRefused
 from gdn_fx.hf import tiny_model
-from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
+from gdn_fx.hf.configs import SAFE_TOKEN_RANGE, one_of_each
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.lowering.prefill import auto_prefill_chunk
 from gdn_fx.hf.generator import (NOT_ASKED, Generator,
@@ -254,7 +254,8 @@ def test_cli_exports_a_checkpoint_folder(tmp_path, capsys):
 
 
 def test_a_half_precision_model_generates(tmp_path):
-    model = tiny_model("qwen3_5", dtype=torch.float16)
+    small = one_of_each("qwen3_5")  # a linear and an attention layer: f16 is layer-agnostic
+    model = tiny_model("qwen3_5", dtype=torch.float16, **small)
     files = export_generator(model, tmp_path / "q16.nnef.tgz", decode=True)
     assert "datum_type = 'f16'" in tract_check.nnef_text(files.main)
     assert files.decode is not None, files.decode_note
@@ -263,7 +264,7 @@ def test_a_half_precision_model_generates(tmp_path):
     assert found.ok and found.bound == 1e-2, str(found)
     # the f16 decode check (against the f32 twin, bounds scaled by the main graph's own f16
     # error) still drops a decode graph that computes something else: another seed's weights
-    other = export_generator(tiny_model("qwen3_5", dtype=torch.float16, seed=1),
+    other = export_generator(tiny_model("qwen3_5", dtype=torch.float16, seed=1, **small),
                              tmp_path / "other.nnef.tgz", decode=True)
     step = DecodeStep(model, last_logits=True, whole_windows=True)
     assert decode_problem(files.decode, files.main, step) == ""
