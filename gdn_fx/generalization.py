@@ -48,7 +48,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.export import Dim
 
-from gdn_fx import tracing
 from gdn_fx.errors import GeneralizeRefused, UsageError
 
 # (S, P) points: the first three fit (affinely independent), the others check. S >= 2 and
@@ -126,8 +125,8 @@ class Generalized:
         past = Dim.DYNAMIC(min=0)
         shapes = [{a: past for a, s in axes.items() if s == "P"} or None
                   for axes in self._flat_axes()]
-        return tracing.export(module, tuple(args), strict=False,
-                              dynamic_shapes=tuple(shapes))
+        return torch.export.export(module, tuple(args), strict=False,
+                                   dynamic_shapes=tuple(shapes))
 
     def _flat_axes(self) -> list:
         return [self.axes.get(name, {}) for name in self.input_names]
@@ -554,8 +553,8 @@ def _reexport(module: fx.GraphModule, args: tuple, kwargs: dict,
     if shape_kwargs:
         raise UsageError("generalize takes programs exported with positional inputs only")
     try:
-        return tracing.export(module, tuple(args), strict=False,
-                              dynamic_shapes=tuple(shape_args))
+        return torch.export.export(module, tuple(args), strict=False,
+                                   dynamic_shapes=tuple(shape_args))
     except Exception as error:  # noqa: BLE001 (torch.export's own errors: say where it was)
         lines = [line for line in str(error).splitlines() if line.strip()]
         raise GeneralizeRefused("the generalized program does not export with symbolic S "

@@ -123,7 +123,6 @@ def _timed(report: Report, stage: str, say: Callable, what: str):
 def run(job: Job, say: Callable[[str], None] = print) -> Report:
     """Run the whole job; ``say`` receives progress lines."""
     import gdn_fx
-    from gdn_fx import tracing
     from gdn_fx.hf import DecodeStep, prepare_for_nnef
 
     model, name = build_model(job)
@@ -142,7 +141,7 @@ def run(job: Job, say: Callable[[str], None] = print) -> Report:
     report = Report(model=f"{name}, {job.dtype}, S={job.seq_len}", expected=step.expected_fusions)
     with _timed(report, "export", say, f"torch.export of the step at S={job.seq_len} "
                 f"(unrolled loops cost ~0.07 s per token per layer)"):
-        program = tracing.export(step, args, strict=False)
+        program = torch.export.export(step, args, strict=False)
     with _timed(report, "collapse", say, "gdn_fx.collapse"):
         result = gdn_fx.collapse(program)
     report.nodes_before = _calls(program)

@@ -12,7 +12,6 @@ import torch
 import torch.fx as fx
 
 from gdn_fx import ops
-from gdn_fx.tracing import no_stack_traces
 from gdn_fx.errors import DTypeError, LoweringUnsupported, ShapeError, UnsupportedProgram
 from gdn_fx.lowering.facts import (CONV_OPERANDS, SCAN_OPERANDS, ConvFacts, ScanFacts,
                                    dtype_name, static_dim)
@@ -35,8 +34,7 @@ def source_module(program: Program) -> fx.GraphModule:
     """
     if isinstance(program, torch.export.ExportedProgram):
         if _writes_in_place(program.graph_module.graph):
-            with no_stack_traces():  # else torch extracts one per node it makes (slower)
-                program = program.run_decompositions({})
+            program = program.run_decompositions({})
         return program.module()
     if isinstance(program, fx.GraphModule):
         return program

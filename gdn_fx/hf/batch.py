@@ -52,7 +52,6 @@ import torch
 from torch import Tensor, nn
 from torch.export import Dim
 
-from gdn_fx import tracing
 from gdn_fx.errors import ArtifactError, UnsupportedModel, UsageError
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.parallel import check_workers, serve
@@ -151,8 +150,8 @@ def export_batched(model: nn.Module, path: Union[str, Path], batch: int, *,
     say(f"export the batched step (B = {batch}, symbolic S and P) -> {path}")
     try:
         with reify(step.model), grouped_attention():
-            program = tracing.export(step, args, strict=False,
-                                     dynamic_shapes=step.generator_shapes())
+            program = torch.export.export(step, args, strict=False,
+                                          dynamic_shapes=step.generator_shapes())
     except torch._dynamo.exc.UserError as error:
         raise UnsupportedModel("the batched step does not compute for every S >= 1 and "
                                f"P >= 0: {str(error).splitlines()[0]}") from None

@@ -20,7 +20,6 @@ from typing import Callable, Mapping, Sequence, Union
 import torch
 from torch import nn
 
-from gdn_fx import tracing
 from gdn_fx.generalization import DEFAULT_POINTS, Generalized, generalize
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.generator import (NOT_ASKED, GeneratorFiles, decode_path, decode_problem,
@@ -35,7 +34,7 @@ def generalize_step(step: DecodeStep, points: Sequence = DEFAULT_POINTS) -> Gene
     ``window - 1`` tokens in a sliding layer, which the step's whole-window cache does not."""
     def trace(seq: int, past: int) -> torch.export.ExportedProgram:
         args = step.example_inputs(seq_len=seq, past_len=past, source="random")
-        return tracing.export(step, args, strict=False)
+        return torch.export.export(step, args, strict=False)
 
     return generalize(trace, points)
 

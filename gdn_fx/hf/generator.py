@@ -55,7 +55,6 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from gdn_fx import tracing
 from gdn_fx.errors import (ArtifactError, ArtifactMismatch, InputUnsupported, MissingFile,
                            UnsupportedModel, UsageError)
 from gdn_fx.hf.attention import grouped_attention
@@ -109,8 +108,8 @@ def export_program(step: DecodeStep) -> torch.export.ExportedProgram:
     args = step.example_inputs(seq_len=EXAMPLE_SEQ, past_len=EXAMPLE_PAST)
     try:
         with reify(step.model), grouped_attention():
-            program = tracing.export(step, args, strict=False,
-                                     dynamic_shapes=step.generator_shapes())
+            program = torch.export.export(step, args, strict=False,
+                                          dynamic_shapes=step.generator_shapes())
     except torch._dynamo.exc.UserError as error:  # the model bounds S or P (sliding windows)
         bounds = [line.strip("- ").strip() for line in str(error).splitlines()
                   if line.strip().startswith("- Not all values")]
@@ -142,7 +141,7 @@ def decode_program(program: torch.export.ExportedProgram,
     past = Dim.DYNAMIC(min=0)
     shapes = (None, *({s.past_axis: past} if s.past_axis is not None else None
                       for s in step.specs))
-    return tracing.export(module, args, strict=False, dynamic_shapes=shapes)
+    return torch.export.export(module, args, strict=False, dynamic_shapes=shapes)
 
 
 def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool = False,

@@ -34,7 +34,6 @@ from typing import Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from gdn_fx import tracing
 from gdn_fx.errors import UnsupportedModel, UsageError
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.dropins import reify
@@ -83,8 +82,8 @@ def export_dynamic(step: DecodeStep, seq_len: int = 8, min_seq: int = 2,
                          "already run every step as one scan")
     args = step.example_inputs(seq_len=seq_len)
     with reify(step.model):
-        program = tracing.export(step, args, strict=False,
-                                 dynamic_shapes=step.dynamic_shapes(min_seq, max_seq))
+        program = torch.export.export(step, args, strict=False,
+                                      dynamic_shapes=step.dynamic_shapes(min_seq, max_seq))
     counts = fused_counts(program)
     if counts != step.expected_fusions:
         raise UnsupportedModel(f"reified export holds {counts} fused nodes, expected "
