@@ -52,7 +52,7 @@ GATES = ("softmax_topk", "softmax_all")
 # The lowering choice for transformers' routed MoE blocks (``choose={"transformers_moe": ...}``).
 CHOICE_KEY = "transformers_moe"
 FUSED, PLAIN = "tract_moe_ffn", "gathered_bmm"
-DEFAULT = FUSED  # faster at every size measured (bench/bench_moe.py, README "Benchmarks")
+DEFAULT = FUSED  # faster at every size measured (bench/bench_moe.py, docs/benchmarks.md)
 
 # Validation: random tokens, compared at these relative bounds (as the passes' validation).
 TRIALS = 3
