@@ -16,6 +16,7 @@ import gdn_fx
 from gdn_fx import tract_check
 from gdn_fx.errors import GeneralizeRefused, UsageError
 from gdn_fx.generalization import FAR_MIN, far_point, fit_affine
+from gdn_fx.hf.configs import GENERATING
 from spellings import fla_naive_recurrent_gdn
 
 # (S, P) never traced: decode (S = 1), a first prefill (P = 0), longer than any trace.
@@ -399,12 +400,8 @@ def test_transformers_sliding_window_family_generalizes_exact_past_the_window():
 
 # --- a transformers family ------------------------------------------------------------------
 
-# Every family the reify route exports (glm5_next is refused there too: sizes that depend on
-# values).
-GENERATING = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lara_mini", "kimi_linear",
-              "bailing_hybrid", "lfm2")
-
-
+# Every family the reify route exports (Family.generates: glm5_next is refused there too,
+# sizes that depend on values).
 @pytest.mark.slow
 @pytest.mark.parametrize("family", GENERATING)
 def test_plain_export_generalized_equals_the_reify_route(tmp_path, family, shared_export):

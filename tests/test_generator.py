@@ -18,7 +18,7 @@ from gdn_fx import tract_check
 from gdn_fx.cli import main
 from gdn_fx.errors import ExportRefused
 from gdn_fx.hf import tiny_model
-from gdn_fx.hf.configs import SAFE_TOKEN_RANGE, one_of_each
+from gdn_fx.hf.configs import GENERATING, SAFE_TOKEN_RANGE, one_of_each
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.lowering.prefill import auto_prefill_chunk
 from gdn_fx.hf.generator import (NOT_ASKED, Generator,
@@ -27,8 +27,6 @@ from gdn_fx.hf.generator import (NOT_ASKED, Generator,
 
 pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
 
-GENERATING = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lara_mini",
-              "kimi_linear", "bailing_hybrid", "lfm2")
 
 
 def _prompt(length: int = 37, seed: int = 1) -> list:
