@@ -4,6 +4,7 @@ costs ~5-20 s), written under pytest's temporary folder. The tests only read the
 
 import hashlib
 import json
+import os
 import pickle
 import warnings
 from pathlib import Path
@@ -30,12 +31,13 @@ def _quiet():
 
 
 @pytest.fixture(scope="session")
-def built_once(tmp_path_factory, worker_id):
+def built_once(tmp_path_factory):
     """``built_once(key, build)``: ``build(folder)`` run once per test run for ``key`` (a
     string naming what it builds and how), in a folder of its own that every xdist worker
-    sees; its (picklable) result is returned to every caller, in every worker."""
+    sees (the workers' temporary folders share a parent); its (picklable) result is returned
+    to every caller, in every worker."""
     base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if worker_id != "master" else base) / "built_once"
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built_once"
     shared.mkdir(exist_ok=True)
 
     def get(key: str, build):
