@@ -3,7 +3,8 @@
 #   make test    set up .venv, then run the test suite
 # `make test-fast` skips the tests marked slow (whole-model exports, and every test that took
 # 0.3 s or more in the last `make durations` run, tests/durations.json): the loop while
-# developing. `make durations` runs the suite and rewrites that record.
+# developing. `make durations` runs the suite, then the fast subset, raising the times that
+# record holds (tests/conftest.py).
 # `make bench` runs the benchmarks (bench/, prints markdown tables).
 VENV   := .venv
 PY     := $(VENV)/bin/python

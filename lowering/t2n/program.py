@@ -19,7 +19,7 @@ import torch.fx as fx
 from gdn_fx.errors import DTypeError, UnsupportedProgram
 from gdn_fx.lowering.facts import static_dim
 from gdn_fx.lowering.fx_nodes import Program, source_module
-from gdn_fx.lowering.t2n.traced_sizes import refuse_data_dependent_sizes, trace_sizes
+from gdn_fx.lowering.t2n.traced_sizes import trace_sizes
 
 def _is_guard(node: fx.Node) -> bool:
     return node.op == "call_module" and node.target == "_guards_fn" and not node.users
@@ -27,8 +27,6 @@ def _is_guard(node: fx.Node) -> bool:
 
 def traceable_module(program: Program) -> fx.GraphModule:
     """A fresh, plain GraphModule computing the program (see the module docstring)."""
-    if isinstance(program, (torch.export.ExportedProgram, fx.GraphModule)):
-        refuse_data_dependent_sizes(program.graph)  # before functionalizing: it costs seconds
     source = source_module(program)
     graph = fx.Graph()
     result = graph.graph_copy(source.graph, {})
