@@ -10,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast durations bench setup
+.PHONY: demo test test-fast durations bench setup docs
 setup: $(STAMP)
 
 # torch first and pinned: pip then takes the CPU build that lies on disk, not a CUDA one.
@@ -36,3 +36,9 @@ durations: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
+
+# The docs site (mkdocs.yml, docs/): --strict fails on a broken link or a missing page.
+docs: $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	$(PY) -c "from gdn_fx.cli import reference; print(reference())" > docs/cli-reference.md
+	$(VENV)/bin/mkdocs build --strict

@@ -1,7 +1,7 @@
 """Several sequences at once: aggregate tokens/s of N worker threads on one loaded artifact.
 
 gdn-fx's artifact takes one sequence per call and tract's wheel runs each matmul on one thread,
-so the way to use more cores is several States at once: ``gdn_fx.parallel.generate_all`` with
+so the way to use more cores is several States at once: ``gdn_fx.runtime.parallel.generate_all`` with
 ``workers`` threads, each a ``Generator.fork`` (its own tract States, the loaded model shared).
 Beside it, torch eager on the same model and prompts, one sequence at a time, with as many
 intra-op threads (``torch.set_num_threads``). Every configuration generates the same prompts
@@ -47,7 +47,7 @@ def _prompts(count: int, length: int) -> list:
 
 
 def _tract(generator, prompts, new_tokens: int, workers: int) -> float:
-    from gdn_fx.parallel import generate_all
+    from gdn_fx.runtime.parallel import generate_all
 
     start = time.perf_counter()
     results = generate_all(generator, prompts, new_tokens, workers=workers)

@@ -7,12 +7,21 @@
     gdn_fx.compare_programs(before, after)   # None when they compute the same, else why
     gdn_fx.export_nnef(result.program, "model.nnef.tgz")   # NNEF for tract
     gdn_fx.generalize(trace)                 # one program symbolic in S, P from fixed traces
+    gdn_fx.Generator("model.nnef.tgz")       # generate in tract (gdn_fx.runtime: no torch)
+
+``import gdn_fx`` imports neither torch nor transformers: a machine that only runs exported
+files needs tract, numpy and tokenizers (gdn_fx.runtime). Where torch is already imported
+(an exporting process), the fused ops ``torch.ops.gdn_fx.*`` are registered at once, so a
+program holding them loads and runs; every module that builds them imports gdn_fx.ops itself.
 """
 
 import importlib
+import sys
 
-from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
 from gdn_fx.errors import GdnFxError, GeneralizeRefused
+
+if "torch" in sys.modules:
+    from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
 
 # Each public name and the module that defines it, imported on first use: the torch-to-nnef
 # plug-in (an entry point, imported by every torch-to-nnef export on the machine) and the CLI
@@ -23,6 +32,7 @@ _WHERE = {
     "GraphDiff": "gdn_fx.diff", "graph_diff": "gdn_fx.diff",
     "export_nnef": "gdn_fx.export", "ExportOptions": "gdn_fx.lowering.options",
     "Generalized": "gdn_fx.generalization", "generalize": "gdn_fx.generalization",
+    "Generator": "gdn_fx.runtime", "GenerationResult": "gdn_fx.runtime",
 }
 
 
@@ -47,6 +57,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_WHERE))
 
 
-__all__ = ["CollapseResult", "ExportOptions", "GdnFxError", "GeneralizeRefused", "Generalized", "GraphDiff", "Miss",
+__all__ = ["CollapseResult", "ExportOptions", "GdnFxError", "GeneralizeRefused", "Generalized",
+           "GenerationResult", "Generator", "GraphDiff", "Miss",
            "collapse", "compare_programs", "export_nnef", "generalize",
            "find_unrolled", "graph_diff", "ops"]

@@ -10,6 +10,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
+from gdn_fx.cli_text import INTERRUPTED  # noqa: F401  (the CLI's exit status on Ctrl-C)
+
 
 EXAMPLES = {
     None: """examples:
@@ -81,6 +83,25 @@ def _families() -> str:
         text += (f"; not in the installed transformers {transformers.__version__}: "
                  + ", ".join(missing))
     return "\n".join(textwrap.wrap(text, 90, subsequent_indent="  "))
+
+
+def reference(width: int = 92) -> str:
+    """Every command's ``--help``, as markdown: docs/cli-reference.md, written by ``make
+    docs`` and compared with the parser by tests/test_docs.py (it cannot go stale)."""
+    parser = _parser()
+    sections = ["# CLI reference\n\nWhat `gdn-fx COMMAND --help` prints (written by `make docs` "
+                "from the parser itself).\n"]
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in [("gdn-fx", parser), *commands.choices.items()]:
+        sub.formatter_class = _fixed_width(sub.formatter_class, width)
+        title = name if name == "gdn-fx" else f"gdn-fx {name}"
+        sections.append(f"## {title}\n\n```text\n{sub.format_help().rstrip()}\n```\n")
+    return "\n".join(sections)
+
+
+def _fixed_width(formatter, width: int):
+    """``formatter`` at ``width`` columns, whatever the terminal is."""
+    return lambda prog: formatter(prog, width=width)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -292,7 +313,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return INTERRUPTED
 
 
-INTERRUPTED = 130  # a shell's status for a command ended by SIGINT (128 + 2)
 
 
 def _dispatch(args) -> int:
@@ -371,7 +391,7 @@ def _export_generator(job, check: bool) -> int:
 def _carry_text_files(job) -> None:
     """The checkpoint's tokenizer and generation config beside the export (X.text), so that
     ``generate --prompt TEXT`` needs no --model; nothing when the folder holds no tokenizer."""
-    from gdn_fx.text import save_text_files
+    from gdn_fx.runtime.text import save_text_files
 
     if job.model_dir is not None:
         carried = save_text_files(job.model_dir, job.out)

@@ -8,7 +8,7 @@
 The answer goes to stdout as it is decoded (``--json``: one JSON object at the end instead);
 the load, the rates (prefill and decode tokens/s, time to first token) and ``--check``'s
 verdict go to stderr. The tokenizer, EOS ids and context come from ``--model``'s folder, or
-from the folder an export left beside the NNEF (:func:`gdn_fx.text.text_folder`).
+from the folder an export left beside the NNEF (:func:`gdn_fx.runtime.text.text_folder`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 from gdn_fx.errors import UsageError
+
+INTERRUPTED = 130  # a shell's status for a command ended by SIGINT (128 + 2)
 
 SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 CHECKPOINT_DEFAULT = " (default: the checkpoint's generation_config.json, as transformers' " \
@@ -102,7 +104,7 @@ def check_sampling_flags(args: argparse.Namespace) -> dict:
     """The sampling flags given, each checked on its own (range, type: one-line UsageError
     naming the flag); whether they fit the run (greedy or sampling) is settled later by
     :func:`sampling_of`."""
-    from gdn_fx.sampling import Sampling, spelled_as_given
+    from gdn_fx.runtime.sampling import Sampling, spelled_as_given
 
     given = given_settings(args)
     probe = {**given, "temperature": given.get("temperature") or 1.0}
@@ -118,12 +120,12 @@ def check_sampling_flags(args: argparse.Namespace) -> dict:
 
 
 def sampling_of(args: argparse.Namespace, folder: Optional[Path] = None, plain: str = ""):
-    """The :class:`~gdn_fx.sampling.Resolved` sampling of the run: the flags, then the
+    """The :class:`~gdn_fx.runtime.sampling.Resolved` sampling of the run: the flags, then the
     checkpoint ``folder``'s generation_config.json, then transformers' defaults
-    (:func:`gdn_fx.sampling.resolve`). ``plain``: the run can only be plain greedy (the
+    (:func:`gdn_fx.runtime.sampling.resolve`). ``plain``: the run can only be plain greedy (the
     reason, e.g. --check): the checkpoint's sampling is not used, and said."""
-    from gdn_fx.sampling import resolve
-    from gdn_fx.text import generation_values
+    from gdn_fx.runtime.sampling import resolve
+    from gdn_fx.runtime.text import generation_values
 
     given = check_sampling_flags(args)
     seed = getattr(args, "sample_seed", None)
@@ -181,7 +183,7 @@ def prompt_id_list(text: str) -> list:
 def checkpoint_folder(args: argparse.Namespace) -> Optional[Path]:
     """The folder whose config and generation config the run follows: --model's, else the
     X.text folder an export left beside --nnef, else None."""
-    from gdn_fx.text import text_folder
+    from gdn_fx.runtime.text import text_folder
 
     if getattr(args, "model_dir", None) is not None:
         return args.model_dir
@@ -191,7 +193,7 @@ def checkpoint_folder(args: argparse.Namespace) -> Optional[Path]:
 
 def text_source(args: argparse.Namespace) -> Optional[Path]:
     """The folder holding the tokenizer: --model's, else the one beside --nnef, else None."""
-    from gdn_fx.text import has_tokenizer
+    from gdn_fx.runtime.text import has_tokenizer
 
     folder = checkpoint_folder(args)
     if folder is None or folder == getattr(args, "model_dir", None):
@@ -206,9 +208,9 @@ def say_sampling(resolved, seed: Optional[int] = None) -> None:
 
 def generate_text(args: argparse.Namespace) -> int:
     """Run ``generate`` on the text path; 0, or 1 when --check finds a difference."""
-    from gdn_fx.sampling import check_max_new_tokens
-    from gdn_fx.streaming import check_context
-    from gdn_fx.text import context_length, eos_ids, load_tokenizer, prompt_ids
+    from gdn_fx.runtime.sampling import check_max_new_tokens
+    from gdn_fx.runtime.streaming import check_context
+    from gdn_fx.runtime.text import context_length, eos_ids, load_tokenizer, prompt_ids
 
     given = check_sampling_flags(args)
     max_new = check_max_new_tokens(args.max_new_tokens)
@@ -263,7 +265,7 @@ def generate_text(args: argparse.Namespace) -> int:
 def prompts_of_file(path: Path, tokenizer, args: argparse.Namespace) -> list:
     """The prompts of ``--prompts-file``, one per non-empty line: text (chat-wrapped with
     --chat) where there is a tokenizer, else token ids (``1,2,3``)."""
-    from gdn_fx.text import prompt_ids
+    from gdn_fx.runtime.text import prompt_ids
 
     try:
         lines = [line for line in path.read_text(encoding="utf-8").splitlines()
@@ -311,7 +313,7 @@ def _load(args):
 
 def _stream(args, prompt, options, resolved):
     """The Generator loaded and the stream started; the sampling it uses said on stderr."""
-    from gdn_fx.streaming import stream
+    from gdn_fx.runtime.streaming import stream
 
     run = stream(_load(args), prompt, **options)
     say_sampling(resolved, run.sampler.seed)
@@ -322,7 +324,7 @@ def _many(args, prompts: list, options: dict, resolved) -> int:
     """Every prompt of --prompts-file run to its end by --workers threads; the answers in
     order (text, or one JSON line each), the aggregate rate and --check's verdicts on
     stderr. 0, or 1 when --check finds a difference."""
-    from gdn_fx.parallel import check_workers, stream_all
+    from gdn_fx.runtime.parallel import check_workers, stream_all
 
     workers = check_workers(args.workers)
     generator = _load(args)
@@ -360,7 +362,7 @@ def _batched(args, prompts: list, options: dict, resolved) -> int:
     finds a difference."""
     from gdn_fx.hf.batch import BatchGenerator, check_batch
     from gdn_fx.hf.generator import check_generation
-    from gdn_fx.parallel import check_workers
+    from gdn_fx.runtime.parallel import check_workers
 
     batch, workers = check_batch(args.batch), check_workers(args.workers)
     if not args.nnef.exists():
@@ -453,7 +455,6 @@ def _answer_end(args, run) -> None:
 
 def interrupted(count: int) -> int:
     """Say on stderr that Ctrl-C ended the run after ``count`` new tokens; the status."""
-    from gdn_fx.cli import INTERRUPTED
 
     print(f"gdn-fx: interrupted (Ctrl-C) after {count} new token{'s' if count != 1 else ''}",
           file=sys.stderr, flush=True)
@@ -470,9 +471,9 @@ def generate_ids(args: argparse.Namespace) -> int:
 
     from gdn_fx import tract_check
     from gdn_fx.hf.generator import GenerationResult, check_generation
-    from gdn_fx.sampling import check_max_new_tokens
-    from gdn_fx.streaming import check_context, stream
-    from gdn_fx.text import context_length, eos_ids
+    from gdn_fx.runtime.sampling import check_max_new_tokens
+    from gdn_fx.runtime.streaming import check_context, stream
+    from gdn_fx.runtime.text import context_length, eos_ids
 
     prompt = prompt_id_list(args.prompt_ids)
     max_new = check_max_new_tokens(args.max_new_tokens)

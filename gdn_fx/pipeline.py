@@ -20,7 +20,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*, counted below)
+
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Report:
 def build_model(job: Job) -> tuple[torch.nn.Module, str]:
     """The model to export (random weights) and a name for it."""
     from gdn_fx.hf import tiny_model
+    from gdn_fx.hf.configs import DTYPES
 
     if job.model_dir is not None:
         from transformers import AutoModelForCausalLM
@@ -224,7 +226,6 @@ def _model_source(job: Job, say: Callable[[str], None]) -> ModelSource:
     memory, said, where the checkpoint's layout is not one the streamed reader knows."""
     if job.stream:
         from gdn_fx.errors import CheckpointLayoutUnknown
-        from gdn_fx.hf.stream import streamed_source
 
         try:
             return streamed_source(job)
@@ -447,3 +448,30 @@ def render(report: Report) -> str:
     lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items()))
     lines.append("OK" if report.ok else "NOT OK")
     return "\n".join(lines)
+
+
+def streamed_source(job):
+    """The streamed model of ``job.model_dir`` for :func:`run_generator`: matrices
+    as placeholders, written from the checkpoint inside ``exporting()``; the check's reference
+    is ``stored_reference`` (what ``gdn-fx generate --check --model DIR`` compares with),
+    skipped where it would not fit. CheckpointLayoutUnknown before any work for a parameter
+    the reader does not know."""
+    from gdn_fx.errors import UsageError
+    from gdn_fx.hf.configs import DTYPES
+    from gdn_fx.hf.nnef import prepare_for_nnef
+    from gdn_fx.hf.stream import (_reference_too_large, placeholder_model,
+                                  stored_reference, streaming)
+
+    if job.model_dir is None:
+        raise UsageError("--stream reads a checkpoint folder: give --model DIR")
+    if job.route != "reify" or getattr(job, "decode_graph", False):
+        raise UsageError("--stream writes the one-graph reify export (no --generalize, no "
+                         "--decode-graph)")
+    dtype = DTYPES[job.dtype]
+    model, placeholders = placeholder_model(job.model_dir, dtype)
+    prepare_for_nnef(model)  # the default MoE kernel refuses placeholders' zero strides
+    return ModelSource(
+        model, f"{model.config.model_type} from {job.model_dir} (streamed)",
+        exporting=lambda: streaming(placeholders),
+        reference=lambda files: stored_reference(job.model_dir, files.main, dtype).eval(),
+        too_large=_reference_too_large(model, dtype))

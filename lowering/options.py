@@ -17,6 +17,7 @@ from gdn_fx.lowering.target import Target, check_runtime
 
 TRACT_VERSION = "0.23.9"  # the tract release an export is written for, unless told
 FORMATS = ("f32", "f16", "q4_0")  # how the weights are stored (lowering/t2n/weights.py)
+Q4_GROUP = 32  # tract's Q4_0 block: 32 weights along the reduction axis
 
 
 def check_format(weights: str) -> str:

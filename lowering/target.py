@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 
 from gdn_fx.errors import ArgumentTypeError, UsageError
+# the runtimes and the max-tokens property are the artifact's contract with its runtime
+from gdn_fx.contract import MAX_TOKENS, RUNTIMES, check_runtime  # noqa: F401
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(?:[-+.].*)?$")
 
@@ -32,17 +34,6 @@ def version_text(version: tuple[int, int, int]) -> str:
 
 DYNAMIC_ATTRIBUTE = "gdn_fx_dynamic"  # set on a torch-to-nnef target by export_nnef
 RUNTIME_ATTRIBUTE = "gdn_fx_runtime"  # likewise; also the NNEF property naming the runtime
-RUNTIMES = ("cpu", "cuda")
-# NNEF property: the most tokens one call may take (set where a candidate computes a fixed
-# window, lowering/plan.max_tokens; the generator cuts prompts to it)
-MAX_TOKENS = "gdn_fx_max_tokens"
-
-
-def check_runtime(runtime: str) -> str:
-    """``runtime`` if it is one gdn-fx lowers for ("cpu", "cuda"), else UsageError."""
-    if runtime not in RUNTIMES:
-        raise UsageError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
-    return runtime
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import fx
 
+from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*, used below)
 from gdn_fx.passes.operands import Operands
 from gdn_fx.errors import GdnFxError
 from gdn_fx.passes.program import ATEN, add_node, copy_meta, dtype, in_mode, shape, val

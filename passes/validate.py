@@ -26,6 +26,7 @@ import torch
 from torch import fx
 from torch.export.graph_signature import InputKind
 
+from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*, used below)
 from gdn_fx.ops import fast_scan_kernel
 from gdn_fx.passes.evaluator import Float64
 from gdn_fx.passes.program import graph_module_of, mutates

@@ -57,7 +57,7 @@ def built_once(tmp_path_factory):
 @pytest.fixture(scope="session")
 def folder(built_once):
     """The demo checkpoint folder (config, random weights, a locally trained tokenizer)."""
-    from gdn_fx.text import demo_checkpoint
+    from gdn_fx.demo_text import demo_checkpoint
 
     return built_once("demo checkpoint", lambda into: demo_checkpoint(into / "demo"))
 

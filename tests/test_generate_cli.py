@@ -191,7 +191,7 @@ def test_a_final_newline_of_the_prompt_reaches_the_tokenizer(folder, tokenizer, 
 
 # --- 5. the checkpoint's sampling -------------------------------------------------------------
 
-CASES = [  # (generation_config.json, gdn_fx.sampling.resolve's flags, transformers' kwargs)
+CASES = [  # (generation_config.json, gdn_fx.runtime.sampling.resolve's flags, transformers' kwargs)
     (SAMPLING, {}, {}),
     ({"do_sample": True}, {}, {}),  # transformers' defaults: temperature 1, top_k 50
     ({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "min_p": 0.05}, {}, {}),
@@ -213,7 +213,7 @@ def test_the_checkpoint_s_sampling_transforms_logits_as_transformers(folder, con
                                                                      kwargs):
     # every step of transformers' generate (the model's generation_config set from the
     # file's values): its processed scores against gdn_fx's on the same raw logits
-    from gdn_fx.sampling import process, resolve
+    from gdn_fx.runtime.sampling import process, resolve
 
     model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     model.generation_config = GenerationConfig(**config, pad_token_id=0)
@@ -311,7 +311,7 @@ def test_check_runs_plain_greedy_on_a_sampling_checkpoint(folder, tokenizer, nne
 
 def _interrupt_after(monkeypatch, count: int) -> None:
     """Ctrl-C as the ``count``-th decode call starts (the tokens before it are chosen)."""
-    from gdn_fx import streaming
+    from gdn_fx.runtime import streaming
 
     calls = []
     step = streaming.TractSession.next

@@ -81,3 +81,25 @@ def test_mixed_dtypes_follow_the_contract(tmp_path):
     decisions, comparison, _ = export_checked(module, args, tmp_path / "mixed.nnef", 1e-3)
     assert list(decisions.values()) == ["depthwise"]
     assert comparison.ok, comparison
+
+
+def test_a_new_candidate_is_one_table_entry(tmp_path, monkeypatch):
+    """docs/contributing.md's checklist for a lowering candidate, followed with a toy one:
+    a check and an emitter (here conv_portable's, under a new name), one Candidate line at
+    the head of the table, its name in the CUDA order (check_orders, as at import). The
+    export takes it and tract computes what eager does."""
+    from gdn_fx.lowering import conv_portable, table
+
+    toy = table.Candidate("toy_adds", conv_portable.check, conv_portable.emit)
+    entries = {**table.TABLE, "causal_conv1d_update": (toy, *table.TABLE["causal_conv1d_update"])}
+    order = {**table.CUDA_ORDER,
+             "causal_conv1d_update": ("toy_adds", *table.CUDA_ORDER["causal_conv1d_update"])}
+    table.check_orders(entries, order)
+    monkeypatch.setattr(table, "TABLE", entries)
+    monkeypatch.setattr(table, "CUDA_ORDER", order)
+    module = ConvModule(8, 4, True, "silu")
+    args = conv_inputs(1, 8, 5, 4)
+    decisions, comparison, _ = export_checked(module, args, tmp_path / "toy.nnef",
+                                              tolerance_for(*args))
+    assert list(decisions.values()) == ["toy_adds"]
+    assert comparison.ok, comparison

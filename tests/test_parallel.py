@@ -1,4 +1,4 @@
-"""Several prompts at once (gdn_fx.parallel): worker threads over one loaded artifact.
+"""Several prompts at once (gdn_fx.runtime.parallel): worker threads over one loaded artifact.
 
 Each prompt must generate exactly what transformers' greedy ``generate`` gives for it alone
 (the expected tokens come from transformers, never from gdn-fx), whatever thread served it
@@ -14,7 +14,7 @@ from gdn_fx.cli import main
 from gdn_fx.errors import UsageError
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
 from gdn_fx.hf.generator import Generator, check_generation
-from gdn_fx.parallel import generate_all, serve, stream_all
+from gdn_fx.runtime.parallel import generate_all, serve, stream_all
 
 pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
 

@@ -1,7 +1,7 @@
-"""gdn_fx.sampling against transformers' own logits processors and its ``generate``.
+"""gdn_fx.runtime.sampling against transformers' own logits processors and its ``generate``.
 
 Expected distributions come from transformers (``transformers.generation.logits_process``
-and the ``scores`` that ``model.generate`` returns), never from gdn_fx.sampling.
+and the ``scores`` that ``model.generate`` returns), never from gdn_fx.runtime.sampling.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from transformers.generation import logits_process as lp
 
 from gdn_fx.errors import UsageError
 from gdn_fx.hf import tiny_model
-from gdn_fx.sampling import Sampler, Sampling, check_max_new_tokens, distribution
+from gdn_fx.runtime.sampling import Sampler, Sampling, check_max_new_tokens, distribution
 
 SETTINGS = [
     dict(temperature=0.7),
@@ -53,7 +53,8 @@ def test_distribution_equals_transformers_processors(setting):
         logits = torch.randn(1, 300, generator=random) * (1 + trial)
         context = torch.randint(0, 300, (1, 40), generator=random)
         want = torch.softmax(_hf_processors(setting)(context, logits.clone()), dim=-1)[0]
-        got = distribution(logits[0].numpy(), context[0].tolist(), Sampling(**setting))
+        got = torch.from_numpy(distribution(logits[0].numpy(), context[0].tolist(),
+                                            Sampling(**setting)))
         assert torch.allclose(got, want, atol=1e-6, rtol=0), (setting, trial)
         assert torch.equal(got == 0, want == 0)  # the same tokens filtered out
 
@@ -61,7 +62,7 @@ def test_distribution_equals_transformers_processors(setting):
 @pytest.mark.parametrize("setting", SETTINGS[:7], ids=str)
 def test_every_step_of_generate_has_the_same_distribution(setting):
     # transformers decides the order here (its generate builds the processor list): each
-    # step's processed scores against gdn_fx.sampling on the raw logits and the same context.
+    # step's processed scores against gdn_fx.runtime.sampling on the raw logits and the same context.
     model = tiny_model("qwen3_5")
     prompt = torch.tensor([[5, 9, 9, 17, 5, 30, 9]])
     torch.manual_seed(1)
@@ -78,7 +79,7 @@ def test_every_step_of_generate_has_the_same_distribution(setting):
     for step, (raw, scores) in enumerate(zip(out.logits, out.scores)):
         context = out.sequences[0, :prompt.shape[1] + step].tolist()
         want = torch.softmax(scores[0], dim=-1)
-        got = distribution(raw[0].numpy(), context, sampling)
+        got = torch.from_numpy(distribution(raw[0].numpy(), context, sampling))
         assert torch.allclose(got, want, atol=1e-6, rtol=0), (setting, step)
 
 

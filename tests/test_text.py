@@ -2,8 +2,8 @@
 stop strings, and generation from a text prompt in tract against transformers' ``generate``.
 
 Expected values come from transformers (``AutoTokenizer``, ``apply_chat_template``,
-``decode``, ``model.generate``) or are written out by hand, never from gdn_fx.text or
-gdn_fx.streaming.
+``decode``, ``model.generate``) or are written out by hand, never from gdn_fx.runtime.text or
+gdn_fx.runtime.streaming.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from gdn_fx.errors import CheckpointError, GdnFxError, UsageError
 from gdn_fx.hf import tiny_model
-from gdn_fx.sampling import Sampling
-from gdn_fx.streaming import stream
-from gdn_fx.text import (DEMO_CHAT_TEMPLATE, Detokenizer, StopStrings, context_length,
-                         demo_corpus, demo_tokenizer, eos_ids, load_tokenizer,
-                         prompt_ids, save_text_files)
+from gdn_fx.runtime.sampling import Sampling
+from gdn_fx.runtime.streaming import stream
+from gdn_fx.demo_text import DEMO_CHAT_TEMPLATE, demo_corpus, demo_tokenizer
+from gdn_fx.runtime.text import (Detokenizer, StopStrings, context_length, eos_ids,
+                                 load_tokenizer, prompt_ids, save_text_files)
 
 TEXTS = ["The keeper lit the lamp.", "café crème brûlée", "日本 is Japan, こんにちは",
          "stars 🌟 and a boat ⛵ 🙂", "naïve → déjà vu ≈ 12°C", "  two  spaces\nand a line"]
@@ -415,7 +415,7 @@ def test_the_text_files_are_carried_beside_an_export(folder, tmp_path):
 
 
 def test_a_fitted_demo_model_learns_the_corpus(tmp_path):
-    from gdn_fx.text import train_on_corpus
+    from gdn_fx.demo_text import train_on_corpus
 
     tokenizer = demo_tokenizer()
     model = tiny_model("qwen3_5", vocab_size=len(tokenizer))

@@ -54,7 +54,7 @@ from torch.export import Dim
 
 from gdn_fx.errors import ArtifactError, UnsupportedModel, UsageError
 from gdn_fx.hf.decode import DecodeStep
-from gdn_fx.parallel import check_workers, serve
+from gdn_fx.runtime.parallel import check_workers, serve
 
 BATCH = "gdn_fx_batch"  # tract property of a batched artifact: its B
 # The additive mask value of a column a row does not see (see the module doc: not -inf).
@@ -138,8 +138,8 @@ def export_batched(model: nn.Module, path: Union[str, Path], batch: int, *,
     """``export_generator(model, path, batch=B)``: the batched graph (module doc)."""
     from gdn_fx.hf.attention import grouped_attention
     from gdn_fx.hf.dropins import reify
-    from gdn_fx.hf.generator import GeneratorFiles, _write_graph, generator_options, place_graphs
-    from gdn_fx.hf.nnef import fused_counts, prepare_for_nnef, stamp_properties, staging
+    from gdn_fx.hf.nnef import (GeneratorFiles, fused_counts, generator_options, place_graphs,
+                                prepare_for_nnef, stamp_properties, staging, write_graph)
 
     options = generator_options(options, fields, "a batched export (batch=B)")
     batch = check_batch(batch)
@@ -163,7 +163,7 @@ def export_batched(model: nn.Module, path: Union[str, Path], batch: int, *,
     axes = {"input_ids": {1: "S"}, "position_ids": {1: "S"}, "past_mask": {1: "P"}, **past}
     names = dict(input_names=step.input_names, output_names=step.output_names)
     with staging(path) as folder:
-        written = _write_graph(program, folder / "graph0.nnef", path, axes, names, options, say)
+        written = write_graph(program, folder / "graph0.nnef", path, axes, names, options, say)
         stamp_properties(written, {BATCH: str(batch)})
         place_graphs([written], [path], model, options.weights)
     return GeneratorFiles(path, None, tuple(step.input_names), tuple(step.output_names),
@@ -236,7 +236,8 @@ class BatchGenerator:
     """
 
     def __init__(self, main: Union[str, Path], prefill_chunk: int = PREFILL_CHUNK):
-        from gdn_fx.hf.generator import DATUM, VOCAB, load_graph
+        from gdn_fx.contract import VOCAB
+        from gdn_fx.runtime.artifact import DATUM, load_graph
 
         self.graph = load_graph(main)
         declared = self.graph.properties.get(BATCH, "")
@@ -335,7 +336,8 @@ class BatchGenerator:
         Refused
         in one line before tract runs: no prompts, an empty prompt, an id outside the
         vocabulary, ``max_new_tokens < 1`` (UsageError, naming the prompt)."""
-        from gdn_fx.hf.generator import GenerationResult, _in_vocabulary, prompt_list
+        from gdn_fx.runtime.artifact import _in_vocabulary, prompt_list
+        from gdn_fx.runtime.generator import GenerationResult
 
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
                 or max_new_tokens < 1:

@@ -17,6 +17,9 @@ from torch import nn
 
 from gdn_fx.errors import FamilyUnavailable, UnknownFamily
 
+# The dtypes a model is built or loaded in, by the names the CLI and the options take.
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
 VOCAB = 64
 # Special ids must be < VOCAB: several families default to ids beyond a tiny vocabulary.
 TOKENS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)

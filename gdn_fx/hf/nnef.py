@@ -28,15 +28,20 @@ import re
 import shutil
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*, used below)
+from gdn_fx.contract import DECODE, FINGERPRINT, VOCAB
 from gdn_fx.errors import UnsupportedModel, UsageError
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.dropins import reify
+from gdn_fx.runtime.artifact import decode_path
+from gdn_fx.runtime.engine import read_max_tokens
 
 SEQ_AXIS = {"input_ids": {1: "S"}}  # the NNEF symbol of the number of new tokens
 # transformers' MoE kernel that torch-to-nnef can trace (see prepare_for_nnef).
@@ -123,9 +128,6 @@ def check_dynamic(step: DecodeStep, path: Union[str, Path],
 
 # --- the files of an export: fingerprint, staging, properties, placement --------------------
 
-FINGERPRINT = "gdn_fx_fingerprint"  # tract property: the weights and config a graph serves
-VOCAB = "gdn_fx_vocab"  # tract property: rows of the input embedding (valid ids: [0, VOCAB))
-DECODE = "gdn_fx_decode"  # tract property of a main graph: its decode graph's file name, or ""
 GRAPH_FILE = "graph.nnef"
 # torch-to-nnef writes the properties as a literal list in this fragment of graph.nnef.
 # Values are one-line strings (one may hold "[GCC ...]"): the list ends at a line "  ];".
@@ -236,3 +238,68 @@ def place(folder: Path, final: Path) -> Path:
             tar.add(file, arcname=file.relative_to(folder).as_posix(), recursive=False)
     os.replace(archive, final)
     return final
+
+
+# --- the files of a generation-ready export ----------------------------------------------
+
+@dataclass(frozen=True)
+class GeneratorFiles:
+    """What :func:`export_generator` wrote: the graph for every S, and the S = 1 graph
+    (None unless asked for with ``decode=True`` and kept)."""
+
+    main: Path
+    decode: Optional[Path]
+    input_names: tuple
+    output_names: tuple
+    decode_note: str = ""  # why no decode graph was kept, when none was
+
+
+def generator_options(options, fields: Mapping, cpu_only: str = ""):
+    """The export options of a generation-ready export: P may be 0 (no past). ``cpu_only``
+    names a route that lowers for the CPU runtime only (its ops are not checked on tract's
+    CUDA runtime): another runtime is then a UsageError."""
+    from gdn_fx.lowering.options import ExportOptions
+
+    options = ExportOptions.of(options, **fields)
+    if cpu_only and options.runtime != "cpu":
+        raise UsageError(f"runtime={options.runtime!r}: {cpu_only} lowers for the CPU "
+                         "runtime only")
+    return ExportOptions.of(options, symbol_min={"P": 0, **options.symbol_min})
+
+
+def write_graph(program, folder: Path, final: Path, axes: Mapping, names: Mapping,
+                 options, say: Callable[[str], None]) -> Path:
+    from gdn_fx.export import export_nnef
+
+    say(f"write {final}")
+    return export_nnef(program, folder, dynamic_axes=axes, options=options, **names)
+
+
+def place_graphs(written: Sequence[Path], finals: Sequence[Path], model: nn.Module,
+                 weights: str = "f32") -> None:
+    """Stamp the NNEF folders ``written`` (a main graph, then its decode graph if kept) with
+    the export's fingerprint (:func:`~gdn_fx.hf.nnef.fingerprint`), the vocabulary size and,
+    in the main graph, the decode graph's file name; then move them to ``finals``: the decode
+    graph first, the main graph last (a main graph in place means a complete pair). A decode
+    graph of an earlier export at ``decode_path(finals[0])`` is removed when none is kept:
+    it would not match the new main graph. A main graph whose candidates take at most W
+    tokens a call (``gdn_fx_max_tokens``) also declares ``S <= W`` to tract."""
+    common = {FINGERPRINT: fingerprint(model, weights), VOCAB: str(vocabulary_size(model))}
+    decode = finals[1].name if len(finals) > 1 else ""
+    stamp_properties(written[0], {**common, DECODE: decode})
+    window = read_max_tokens(written[0])
+    if window is not None:  # a windowed main graph: its bound on the token axis, for tract
+        declare_bound(written[0], "S", window)
+    for folder in written[1:]:
+        stamp_properties(folder, common)
+    for folder, final in reversed(list(zip(written, finals))):
+        if folder is written[0] and not decode:
+            remove(decode_path(final))
+        place(folder, final)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

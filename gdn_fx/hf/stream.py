@@ -19,7 +19,7 @@ NNEF variable), a parameter the checkpoint holds under a layout it does not know
 MoE blocks become ``tract_moe_ffn`` as in memory: the fusion proves each block by running it
 on random stand-ins for its placeholders (lowering/t2n/moe_ffn.py), and the operator's
 weights are placeholders too, computed from the stored expert stacks when written.
-The CLI's check of a streamed export (``streamed_source``) is ``gdn-fx generate --check --model
+The CLI's check of a streamed export (``gdn_fx.pipeline.streamed_source``) is ``gdn-fx generate --check --model
 DIR``'s: tract generates from the written file, its model is released, then transformers
 generates on the weights the file stores (``stored_reference``), one model in memory at a time.
 """
@@ -198,7 +198,7 @@ def export_checkpoint(folder: Union[str, Path], path: Union[str, Path], *,
     (``from_pretrained`` in ``dtype``, then ``export_generator``). Returns GeneratorFiles.
     """
     from gdn_fx.hf.generator import export_generator
-    from gdn_fx.pipeline import DTYPES
+    from gdn_fx.hf.configs import DTYPES
 
     if dtype not in DTYPES:
         raise UsageError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
@@ -213,30 +213,6 @@ def export_checkpoint(folder: Union[str, Path], path: Union[str, Path], *,
     model, placeholders = placeholder_model(folder, DTYPES[dtype])
     with streaming(placeholders):
         return export_generator(model, path, say=say, **options)
-
-
-def streamed_source(job):
-    """The streamed model of ``job.model_dir`` for ``gdn_fx.pipeline.run_generator``: matrices
-    as placeholders, written from the checkpoint inside ``exporting()``; the check's reference
-    is ``stored_reference`` (what ``gdn-fx generate --check --model DIR`` compares with),
-    skipped where it would not fit. CheckpointLayoutUnknown before any work for a parameter
-    the reader does not know."""
-    from gdn_fx import pipeline
-    from gdn_fx.hf.nnef import prepare_for_nnef
-
-    if job.model_dir is None:
-        raise UsageError("--stream reads a checkpoint folder: give --model DIR")
-    if job.route != "reify" or getattr(job, "decode_graph", False):
-        raise UsageError("--stream writes the one-graph reify export (no --generalize, no "
-                         "--decode-graph)")
-    dtype = pipeline.DTYPES[job.dtype]
-    model, placeholders = placeholder_model(job.model_dir, dtype)
-    prepare_for_nnef(model)  # the default MoE kernel refuses placeholders' zero strides
-    return pipeline.ModelSource(
-        model, f"{model.config.model_type} from {job.model_dir} (streamed)",
-        exporting=lambda: streaming(placeholders),
-        reference=lambda files: stored_reference(job.model_dir, files.main, dtype).eval(),
-        too_large=_reference_too_large(model, dtype))
 
 
 def _reference_too_large(model: nn.Module, dtype: torch.dtype) -> Optional[str]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gdn_fx.errors import ExportRefused
-from gdn_fx.lowering.t2n.weights import Q4_GROUP
+from gdn_fx.lowering.options import Q4_GROUP
 
 Q4_0 = "q4_0"
 
@@ -212,7 +212,7 @@ def _write_sources(graph, folder: str, sources: dict[str, Source], target) -> li
 
     from torch_to_nnef.nnef_io.writer import write_nnef_tensor
 
-    from gdn_fx.tract_check import release_freed_memory
+    from gdn_fx.memory import release_freed_memory
 
     rest = []
     for op in graph.operations:

@@ -31,11 +31,11 @@ import torch
 import torch.fx as fx
 
 from gdn_fx.errors import UsageError
-from gdn_fx.lowering.options import check_format
+from gdn_fx.lowering.options import Q4_GROUP, check_format
+from gdn_fx.lowering.t2n import streamed
 
 aten = torch.ops.aten
 LOG = logging.getLogger("gdn_fx.lowering")
-Q4_GROUP = 32  # tract's Q4_0 block: 32 weights along the reduction axis
 # Ops that hand the matrix product's weight on unchanged or transposed (rank 2).
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 _PRODUCTS = {aten.matmul.default, aten.mm.default}
@@ -166,8 +166,6 @@ def _as_f16(module: fx.GraphModule, report: WeightReport) -> None:
 def _converted(param, to):
     """``param`` as ``to`` (a dtype, or a quantizer) stores it; a placeholder of a streamed
     export (t2n/streamed.py) stays one, whose source the writer converts instead."""
-    from gdn_fx.lowering.t2n import streamed
-
     placeholders = streamed.active()
     if placeholders is not None and placeholders.source(param.detach()) is not None:
         if isinstance(to, torch.dtype):
