@@ -235,18 +235,18 @@ def time_tract(path: Path, kv_in_state: bool = False, transform: str = "") -> di
     tract's "detect_kv_cache" transform (Generator(kv_in_state=True)). ``transform``: an
     experiment, another tract transform in its place ("transformers_detect_all": the same,
     then tract's rope / softmax / SDPA pattern rules), set on the module for this load."""
-    from gdn_fx.hf import generator
-    from gdn_fx.hf.generator import Generator
+    from gdn_fx.runtime import artifact
+    from gdn_fx.runtime.generator import Generator
 
-    kept = generator.KV_IN_STATE
-    generator.KV_IN_STATE = transform or kept
+    kept = artifact.KV_IN_STATE  # load_graph reads it there
+    artifact.KV_IN_STATE = transform or kept
     free = device_free()
     try:
         start = time.perf_counter()
         gen = Generator.open(path, runtime=RUNTIME, prefill_chunk=None,
                              kv_in_state=kv_in_state)
     finally:
-        generator.KV_IN_STATE = kept
+        artifact.KV_IN_STATE = kept
     load = time.perf_counter() - start
     held = (free - device_free()) / 1e9  # GPU memory the loaded graphs hold
     ids = (np.arange(PREFILL, dtype=np.int64)[None] % 1000) + 3

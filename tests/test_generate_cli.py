@@ -226,7 +226,7 @@ def test_the_checkpoint_s_sampling_transforms_logits_as_transformers(folder, con
     sampling = resolve(config, **flags).sampling
     for step, (raw, scores) in enumerate(zip(out.logits, out.scores)):
         context = out.sequences[0, :prompt.shape[1] + step].tolist()
-        got = process(raw[0].numpy(), context, sampling)
+        got = torch.from_numpy(process(raw[0].numpy(), context, sampling))
         want = scores[0]
         assert torch.equal(torch.isinf(got), torch.isinf(want)), (config, flags, step)
         assert torch.allclose(torch.softmax(got, -1), torch.softmax(want, -1), atol=1e-6,
@@ -404,7 +404,7 @@ def test_tract_failing_on_a_run_is_one_line(tmp_path):
     import tract
 
     from gdn_fx.errors import ArtifactError
-    from gdn_fx.hf.generator import _run
+    from gdn_fx.runtime.generator import _run
 
     class Failing:
         def run(self, inputs):
