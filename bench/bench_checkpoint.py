@@ -73,7 +73,7 @@ def write_checkpoint(shape: str, folder: str) -> dict:
 
 def export(folder: str, out: str, fmt: str) -> dict:
     """The streamed export of ``folder`` to ``out`` in ``fmt``: seconds and bytes written."""
-    from gdn_fx.hf.stream import export_checkpoint
+    from gdn_fx.hf.checkpoint import export_checkpoint
 
     dtype, weights = FORMATS[fmt]
     start = time.perf_counter()

@@ -42,7 +42,8 @@ PEER = "torch-to-nnef-llm 0.24.12 artifact in tract (f32)"
 
 # name -> (the model's dtype: its compute, export_nnef's weights=): f16 is the model in f16;
 # q4_0 is the f32 model with its matmul weights stored as tract's Q4_0 blocks.
-FORMATS = {"f32": ("float32", "f32"), "f16": ("float16", "f32"), "q4_0": ("float32", "q4_0")}
+FORMATS = {"f32": ("float32", "f32"), "f16": ("float16", "f32"), "q4_0": ("float32", "q4_0"),
+           "f16_weights": ("float32", "f16")}  # f32 model, weights stored f16 (--weights f16)
 
 
 def build(shape: dict, dtype: str = "float32"):

@@ -534,7 +534,7 @@ def checked_model(args):
     from gdn_fx.pipeline import Job, build_model
 
     if args.model_dir is not None:  # the checkpoint's small parameters, the file's matrices
-        from gdn_fx.hf.stream import stored_reference
+        from gdn_fx.hf.checkpoint import stored_reference
 
         model = stored_reference(args.model_dir, args.nnef).eval()
         return model, f"{model.config.model_type} from {args.model_dir}"

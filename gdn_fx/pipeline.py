@@ -41,7 +41,7 @@ class Job:
     # fixed (S, P), collapsed and generalized: gdn_fx.hf.generalized)
     route: str = "reify"
     runtime: str = "cpu"  # the tract runtime the NNEF is lowered for: cpu or cuda (export_nnef)
-    # weights read from model_dir's safetensors as written (hf/stream.py); "auto": so where
+    # weights read from model_dir's safetensors as written (hf/checkpoint.py); "auto": so where
     # the checkpoint's layout allows it, else loaded in memory (the CLI's default for --model)
     stream: Union[bool, str] = False
     # generation-ready artifact: also write the S = 1 graph beside it (the pair of earlier
@@ -221,7 +221,7 @@ def _in_memory(job: Job) -> ModelSource:
 
 
 def _model_source(job: Job, say: Callable[[str], None]) -> ModelSource:
-    """The streamed model of ``job.model_dir`` (gdn_fx.hf.stream: the weights never in
+    """The streamed model of ``job.model_dir`` (gdn_fx.hf.checkpoint: the weights never in
     memory) where ``job.stream`` asks for it, else the model in memory; "auto" falls back to
     memory, said, where the checkpoint's layout is not one the streamed reader knows."""
     if job.stream:
@@ -459,7 +459,7 @@ def streamed_source(job):
     from gdn_fx.errors import UsageError
     from gdn_fx.hf.configs import DTYPES
     from gdn_fx.hf.nnef import prepare_for_nnef
-    from gdn_fx.hf.stream import (_reference_too_large, placeholder_model,
+    from gdn_fx.hf.checkpoint import (_reference_too_large, placeholder_model,
                                   stored_reference, streaming)
 
     if job.model_dir is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from gdn_fx.lowering.facts import ConvFacts
+from gdn_fx.lowering.node_facts import ConvFacts
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from gdn_fx.lowering.facts import ConvFacts, portable_dtype_reason
+from gdn_fx.lowering.node_facts import ConvFacts, portable_dtype_reason
 from gdn_fx.lowering.fragment_files import generated
 from gdn_fx.lowering.nnef_emit import EmitContext, nnef_dtype_name, promote
 from gdn_fx.lowering.target import Target

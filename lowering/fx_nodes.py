@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from gdn_fx import ops
 from gdn_fx.errors import DTypeError, LoweringUnsupported, ShapeError, UnsupportedProgram
-from gdn_fx.lowering.facts import (CONV_OPERANDS, SCAN_OPERANDS, ConvFacts, ScanFacts,
+from gdn_fx.lowering.node_facts import (CONV_OPERANDS, SCAN_OPERANDS, ConvFacts, ScanFacts,
                                    dtype_name, static_dim)
 
 SCAN_TARGET = torch.ops.gdn_fx.gated_delta_scan.default

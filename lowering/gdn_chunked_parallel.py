@@ -76,7 +76,7 @@ import numpy as np
 
 from gdn_fx.lowering import gdn_chunked, gdn_chunked_text as text
 from gdn_fx.lowering import gdn_fast_common as common
-from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.lowering.node_facts import ScanFacts
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 

@@ -36,7 +36,7 @@ is served by the same text.
 from __future__ import annotations
 
 from gdn_fx.lowering import gdn_fast_common as common
-from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.lowering.node_facts import ScanFacts
 from gdn_fx.ops import GATE_FLOOR
 
 CHUNK_INPUTS = ("q", "rq", "k", "v", "e", "tt", "br", "egc", "egr", "rk", "rkr", "r", "ac")

@@ -17,7 +17,7 @@ from nnef_tools.model import Operation as NOperation
 from nnef_tools.model import Tensor as NTensor
 from torch_to_nnef.op.fragment import Fragment
 
-from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.lowering.node_facts import ScanFacts
 from gdn_fx.lowering.fragment_files import generated
 from gdn_fx.lowering.nnef_emit import NUMPY, EmitContext, promote
 

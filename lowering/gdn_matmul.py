@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from gdn_fx.lowering import gdn_fast_common as common
-from gdn_fx.lowering.facts import ScanFacts, portable_dtype_reason
+from gdn_fx.lowering.node_facts import ScanFacts, portable_dtype_reason
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 

@@ -35,7 +35,7 @@ from nnef_tools.model import Graph as NGraph
 from nnef_tools.model import Operation as NOperation
 from nnef_tools.model import Tensor as NTensor
 
-from gdn_fx.lowering.facts import SCAN_OPERANDS, ScanFacts
+from gdn_fx.lowering.node_facts import SCAN_OPERANDS, ScanFacts
 from gdn_fx.lowering.nnef_emit import EmitContext, nnef_dtype_name, promote
 from gdn_fx.lowering.target import Target, as_target
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from gdn_fx.lowering.facts import ScanFacts, portable_dtype_reason
+from gdn_fx.lowering.node_facts import ScanFacts, portable_dtype_reason
 from gdn_fx.lowering.fragment_files import shipped
 from gdn_fx.lowering.nnef_emit import EmitContext, promote
 from gdn_fx.lowering.target import Target

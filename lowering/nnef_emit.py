@@ -15,7 +15,7 @@ from nnef_tools.model import Graph as NGraph
 from nnef_tools.model import Operation as NOperation
 from nnef_tools.model import Tensor as NTensor
 
-from gdn_fx.lowering.facts import ConvFacts, ScanFacts
+from gdn_fx.lowering.node_facts import ConvFacts, ScanFacts
 
 NUMPY = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
 _WIDTH = {"f16": 0, "f32": 1, "f64": 2}

@@ -55,7 +55,7 @@ from gdn_fx.errors import InternalError, LoweringUnsupported, UnknownName
 from gdn_fx.lowering import (conv_native, conv_portable, gdn_chunked, gdn_chunked_parallel,
                              gdn_matmul, gdn_native, gdn_scan, gdn_split)
 from gdn_fx.lowering.choice import Choice
-from gdn_fx.lowering.facts import ConvFacts, ScanFacts, describe
+from gdn_fx.lowering.node_facts import ConvFacts, ScanFacts, describe
 from gdn_fx.lowering.target import Target
 
 LOGGER = logging.getLogger("gdn_fx.lowering")

@@ -57,3 +57,18 @@ def test_the_cli_reference_is_the_parsers():
     from gdn_fx.cli import reference
 
     assert (ROOT / "docs" / "cli-reference.md").read_text() == reference() + "\n"
+
+
+@pytest.mark.slow  # reads the demo export (conftest.py)
+def test_the_runtime_page_block_runs(demo_nnef, tmp_path, monkeypatch, capsys):
+    """docs/runtime.md's block, as written, with the demo export where it reads
+    ``out/model.nnef.tgz`` and its text folder beside it."""
+    from gdn_fx.runtime.text import text_folder
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.nnef.tgz").symlink_to(demo_nnef)
+    (tmp_path / "out" / "model.text").symlink_to(text_folder(demo_nnef))
+    monkeypatch.chdir(tmp_path)
+    block = _python_blocks(ROOT / "docs" / "runtime.md")[0]
+    exec(compile(block, "runtime block 0", "exec"), {})
+    assert capsys.readouterr().out.strip()  # an answer, then the streamed pieces

@@ -19,7 +19,7 @@ import gdn_fx
 from gdn_fx import tract_check
 from gdn_fx.errors import ExportRefused
 from gdn_fx.hf import DecodeStep, check_dynamic, export_nnef_dynamic, prepare_for_nnef, tiny_model
-from gdn_fx.lowering.t2n import program as prog
+from gdn_fx.lowering.t2n import traceable as prog
 from gdn_fx.lowering.t2n.dynamic_axes import refuse_frozen_axes
 
 pytestmark = pytest.mark.slow  # whole-model exports; they still run by default

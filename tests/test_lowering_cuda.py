@@ -22,7 +22,7 @@ from gdn_fx.errors import RuntimeUnavailable, UsageError
 from gdn_fx.export import export_nnef
 from gdn_fx.lowering import Target, decide
 from gdn_fx.lowering.choice import Choice
-from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.lowering.node_facts import ScanFacts
 from gdn_fx.lowering.target import as_target
 from lowering_programs import SCAN_NAMES, scan_inputs
 from test_lowering_fast import Fused, check_run

@@ -17,7 +17,7 @@ from gdn_fx import tract_check
 from gdn_fx.errors import LoweringUnsupported
 from gdn_fx.export import export_nnef
 from gdn_fx.lowering import Target, decide
-from gdn_fx.lowering.facts import ScanFacts
+from gdn_fx.lowering.node_facts import ScanFacts
 from gdn_fx.reference import l2norm, recurrent_delta_rule_reference
 from lowering_programs import SCAN_NAMES, scan_inputs
 

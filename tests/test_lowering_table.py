@@ -19,7 +19,7 @@ from nnef_tools.model import Tensor as NTensor
 from gdn_fx.errors import LoweringUnsupported
 from gdn_fx.lowering import Target, decide, native_gdn_min_version, native_gdn_reject_reason
 from gdn_fx.lowering.choice import Choice, validate
-from gdn_fx.lowering.facts import ConvFacts, ScanFacts
+from gdn_fx.lowering.node_facts import ConvFacts, ScanFacts
 from gdn_fx.lowering.table import TABLE, candidate_names
 
 DECODE_F16 = dict(q="f16", k="f16", v="f16", g="f32", beta="f16", initial_state="f32")

@@ -400,7 +400,7 @@ DYNAMIC = {  # module, its inputs at the traced T, the axis of T in q, k, v, g, 
 def _named_nodes(message: str, program) -> list[str]:
     """Node names the message cites that exist in the program (or its functional form,
     which export_nnef traces)."""
-    from gdn_fx.lowering.t2n.program import traceable_module
+    from gdn_fx.lowering.t2n.traceable import traceable_module
 
     names = {n.name for n in graph_of(program).nodes}
     names |= {n.name for n in traceable_module(program).graph.nodes}

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gdn_fx.lowering.t2n.noop_scatters import noop_scatters
-from gdn_fx.lowering.t2n.program import traceable_module
+from gdn_fx.lowering.t2n.traceable import traceable_module
 
 aten = torch.ops.aten
 SCATTERS = (aten.slice_scatter.default, aten.select_scatter.default)

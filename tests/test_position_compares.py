@@ -15,7 +15,7 @@ from gdn_fx import tract_check
 from gdn_fx.export import export_nnef
 from gdn_fx.lowering.t2n.fixes import (POSITION_SYMBOL_MAX, float_position_compares,
                                        ranges_with_offsets)
-from gdn_fx.lowering.t2n.program import traceable_module
+from gdn_fx.lowering.t2n.traceable import traceable_module
 
 
 class CausalMask(nn.Module):

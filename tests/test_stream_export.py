@@ -1,4 +1,4 @@
-"""The streamed export (gdn_fx.hf.stream, issue 31): the same files as the in-memory route.
+"""The streamed export (gdn_fx.hf.checkpoint, issue 31): the same files as the in-memory route.
 
 Each case saves a tiny model in bf16 (as real checkpoints are), exports it both ways and
 compares every file of the two archives byte for byte (every .dat, generated names paired
@@ -19,8 +19,9 @@ import torch
 from gdn_fx import tract_check
 from gdn_fx.errors import CheckpointError, ExportRefused
 from gdn_fx.hf import tiny_model
-from gdn_fx.hf.stream import Checkpoint, export_checkpoint, placeholder_model
-from gdn_fx.lowering.t2n import streamed
+from gdn_fx.hf.checkpoint import Checkpoint, export_checkpoint, placeholder_model
+from gdn_fx.lowering.t2n.placeholders import q4_0_by_rows, streaming
+from gdn_fx.lowering.t2n.placeholders import resolve as resolve_placeholder
 
 LIN, FULL = "linear_attention", "full_attention"
 SMALL = dict(num_hidden_layers=2, layer_types=[LIN, FULL])  # two layers: the file stays fast
@@ -121,7 +122,7 @@ def test_placeholders_hold_no_weights_and_experts_are_restacked(tmp_path):
     stacks = 0
     for name, value in model.state_dict().items():
         source = placeholders.source(value)
-        real = streamed.resolve(value) if source is None else source.values()
+        real = resolve_placeholder(value) if source is None else source.values()
         assert torch.equal(real, expected[name]), name
         if source is not None:
             assert all(s == 0 for s in value.stride()) and torch.isnan(value).all()
@@ -147,7 +148,7 @@ def test_checkpoints_transformers_converts_are_read_as_it_reads_them(tmp_path, f
     converted = 0
     for name, value in model.state_dict().items():
         source = placeholders.source(value)
-        real = streamed.resolve(value) if source is None else source.load()
+        real = resolve_placeholder(value) if source is None else source.load()
         assert torch.equal(real, expected[name]), name
         converted += name not in stored
     assert converted > 0  # the mapping was needed: a test of it
@@ -217,7 +218,7 @@ def test_a_constant_folded_from_a_placeholder_is_refused(tmp_path):
     real = conv.weight.detach().clone()
     conv.weight = torch.nn.Parameter(placeholders.make(
         "conv", tuple(real.shape), torch.float32, lambda: real), requires_grad=False)
-    with streamed.streaming(placeholders), pytest.raises(ExportRefused, match="placeholder"):
+    with streaming(placeholders), pytest.raises(ExportRefused, match="placeholder"):
         export_generator(model, tmp_path / "x.nnef.tgz")
     assert not (tmp_path / "x.nnef.tgz").exists()
 
@@ -338,7 +339,7 @@ def test_q4_0_by_rows_writes_the_whole_tensors_bytes(tmp_path):
     whole, blocks = tmp_path / "whole", tmp_path / "blocks"
     whole.mkdir(), blocks.mkdir()
     fp_to_tract_q4_0_with_min_max_calibration(values).write_in_file(str(whole), "w", target)
-    streamed.q4_0_by_rows(values, rows=5).write_in_file(str(blocks), "w", target)
+    q4_0_by_rows(values, rows=5).write_in_file(str(blocks), "w", target)
     assert (whole / "w.dat").read_bytes() == (blocks / "w.dat").read_bytes()
     assert len((whole / "w.dat").read_bytes()) > 37 * 96 // 2
 
@@ -364,7 +365,7 @@ def test_stored_reference_is_from_pretrained_holding_the_stored_weights(tied_den
     from transformers import AutoModelForCausalLM
 
     from gdn_fx.hf.generator import Generator, check_generation, with_stored_weights
-    from gdn_fx.hf.stream import stored_reference
+    from gdn_fx.hf.checkpoint import stored_reference
 
     files = export_checkpoint(tied_dense, tmp_path / "t.nnef.tgz", weights=weights)
     built = stored_reference(tied_dense, files.main)

@@ -9,6 +9,7 @@ the outputs, f32 2.7e-7, f16 4.5e-4, q4_0 0.13 (4-bit weights in a random 32-wid
 tract against eager on the weights as stored: f16 and q4_0 <= 6e-7.
 """
 
+import re
 import tarfile
 
 import numpy as np
@@ -108,6 +109,26 @@ def test_f16_stores_half_and_computes_with_the_rounded_weights(exported):
     assert _max_error(paths["f16"], as_stored, args) <= AS_STORED
     # the casts are folded by tract, not by torch-to-nnef: no f32 copy in the file
     assert not [n for n in files if n.endswith("_raw2d")]
+
+
+
+def test_f16_matmul_weights_reach_the_matmul_as_stored(exported):
+    """A weight ``linear`` reads goes to tract's matmul in f16 (a ``copy`` of the variable, no
+    cast: tract packs it once at load, where a cast would be redone and the result re-packed
+    on every call); the embedding table is gathered in f16 (its rows cast); only the other
+    weights are cast back where read."""
+    model, _, _, paths = exported
+    text = tract_check.nnef_text(paths["f16"])
+    variables = dict(re.findall(r"(\w+) = variable<scalar>\(label = '([^']+)'", text))
+    by_label = {label: name for name, label in variables.items()}
+    linear = [label for label in _linear_weights(model) if label in by_label]  # a tied head
+    assert len(linear) > 4                                           # is the embedding's
+    for label in linear:
+        name = by_label[label]
+        assert f"copy({name})" in text and f"tract_core_cast({name}," not in text, label
+    cast = [label for label, name in by_label.items() if f"tract_core_cast({name}," in text]
+    assert cast and not set(cast) & set(linear)  # norms, conv filters: cast back
+    assert "model.model.embed_tokens.weight" not in cast
 
 
 def test_q4_0_stores_linear_weights_in_18_bytes_per_32(exported):

@@ -290,7 +290,7 @@ def with_stored_weights(model: nn.Module, path: Union[str, Path],
                 continue
             if tuple(param.shape) != values.shape:
                 continue
-            if param.numel() > 1 and not any(param.stride()):  # a placeholder (hf/stream.py)
+            if param.numel() > 1 and not any(param.stride()):  # a placeholder (hf/checkpoint.py)
                 replace_parameter(twin, param, nn.Parameter(
                     torch.from_numpy(values).to(param.dtype), requires_grad=False))
             else:

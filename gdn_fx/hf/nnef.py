@@ -146,7 +146,7 @@ def fingerprint(model: nn.Module, weights: str = "f32") -> str:
               if not k.startswith("_") and k != "transformers_version"}
     record = {"config": config, "weights": weights}
     digest.update(json.dumps(record, sort_keys=True, default=str).encode())
-    from gdn_fx.lowering.t2n.streamed import resolve  # a streamed export's placeholders
+    from gdn_fx.lowering.t2n.placeholders import resolve  # a streamed export's placeholders
 
     for name, tensor in model.state_dict().items():
         tensor = resolve(tensor).detach().cpu().contiguous()

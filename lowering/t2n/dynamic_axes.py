@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gdn_fx.errors import ExportRefused, UsageError
-from gdn_fx.lowering.facts import static_dim
+from gdn_fx.lowering.node_facts import static_dim
 
 ATEN = torch.ops.aten
 

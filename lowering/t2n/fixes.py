@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from gdn_fx.errors import ExportRefused
-from gdn_fx.lowering.facts import static_dim
+from gdn_fx.lowering.node_facts import static_dim
 from gdn_fx.lowering.t2n.moe import grouped_mm_as_plain_ops
 from gdn_fx.lowering.t2n.noop_scatters import noop_scatters
 from gdn_fx.lowering.t2n.traced_sizes import traced_arange

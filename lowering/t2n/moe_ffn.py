@@ -38,8 +38,8 @@ import torch.fx as fx
 from torch import Tensor
 
 from gdn_fx.errors import UsageError
-from gdn_fx.lowering.facts import static_dim
-from gdn_fx.lowering.t2n import streamed
+from gdn_fx.lowering.node_facts import static_dim
+from gdn_fx.lowering.t2n.placeholders import active as active_placeholders, resolve as resolve_placeholder
 from gdn_fx.lowering.t2n.moe import grouped_mm_op
 
 LOG = logging.getLogger("gdn_fx.lowering")
@@ -391,11 +391,11 @@ class _Valued(fx.Interpreter):
 
 def _stand_ins():
     """What the proof runs the program's constants as: themselves, except the placeholders
-    of a streamed export (t2n/streamed.py: a NaN without values), each a random tensor of
+    of a streamed export (t2n/placeholders.py: a NaN without values), each a random tensor of
     its shape, the same wherever it is read. The proof is one of structure (which reading
     of the weights the nodes compute): random weights decide it as well as the stored ones.
     Costs one block's expert weights in memory while that block is proven."""
-    placeholders = streamed.active()
+    placeholders = active_placeholders()
     if placeholders is None:
         return lambda tensor: tensor
     generator, drawn = torch.Generator().manual_seed(1), {}
@@ -585,13 +585,13 @@ def _operands(module: fx.GraphModule, block: Block, proof: Proof) -> dict[str, T
              "w1": (block.up.weight, lambda t: _up_halves(t, up_t)[0]),
              "w2": (block.down.weight, lambda t: _down(t, down_t)),
              "w3": (block.up.weight, lambda t: _up_halves(t, up_t)[1])}
-    placeholders, operands = streamed.active(), {}
+    placeholders, operands = active_placeholders(), {}
     for name, (node, part) in reads.items():
         constant = _subgraph(module, [node], None)  # a copy: the block's nodes go below
 
         def load(constant=constant, part=part) -> Tensor:
             with torch.no_grad():
-                return part(_Valued(constant, streamed.resolve).run()[0].detach()).contiguous()
+                return part(_Valued(constant, resolve_placeholder).run()[0].detach()).contiguous()
         stored = [t for t in (*constant.parameters(), *constant.buffers())
                   if placeholders is not None and placeholders.source(t) is not None]
         if not stored:
@@ -606,7 +606,7 @@ def _operands(module: fx.GraphModule, block: Block, proof: Proof) -> dict[str, T
 def _fuse(module: fx.GraphModule, block: Block, proof: Proof, index: int) -> None:
     graph, out = module.graph, proof.out
     values = _operands(module, block, proof)
-    _warn_ties(streamed.resolve(values["wg"]), block)  # the stored router: small
+    _warn_ties(resolve_placeholder(values["wg"]), block)  # the stored router: small
     with graph.inserting_before(out):
         operands = [_attribute(module, f"gdn_fx_moe{index}_{name}", value)
                     for name, value in values.items()]

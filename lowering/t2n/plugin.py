@@ -16,7 +16,7 @@ from torch_to_nnef.op.extras import register
 
 from gdn_fx.errors import LoweringUnsupported
 from gdn_fx.lowering.t2n.bridge import AUTO, CONV_BRIDGE, SCAN_BRIDGE
-from gdn_fx.lowering.facts import CONV_OPERANDS, SCAN_OPERANDS, ConvFacts, ScanFacts
+from gdn_fx.lowering.node_facts import CONV_OPERANDS, SCAN_OPERANDS, ConvFacts, ScanFacts
 from gdn_fx.lowering.nnef_emit import EmitContext, nnef_dtype_name
 from gdn_fx.lowering.table import candidate, decide
 from gdn_fx.lowering.target import as_target

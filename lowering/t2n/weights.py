@@ -3,11 +3,14 @@
 (``gdn_fx.lowering.write_nnef``); the caller's program is never modified.
 
 - ``f32``: every parameter written in its own dtype (the default; nothing changes).
-- ``f16``: every floating-point parameter not already in f16 is stored as f16 and cast back to
-  its own dtype where the program reads it (a ``tract_core_cast``): the file holds half the
-  bytes, the arithmetic is the program's dtype on the weights rounded to f16 once. tract's
-  constant folding may turn the casts into f32 constants at load (then memory and speed are
-  those of f32); that was not profiled here.
+- ``f16``: every floating-point parameter not already in f16 is stored as f16; the
+  arithmetic is the program's dtype on the weights rounded to f16 once. tract does NOT fold a
+  cast of a variable at load: it runs on every call, and a matmul fed by it re-packs its
+  weight every call (a 1024x4096 MLP at S = 1: 35-46 ms cast, 0.8 ms as stored; docs/FACTS.md).
+  So each reader is routed: ``linear`` gets the weight as stored (``copy`` of the variable;
+  tract multiplies f32 activations with f16 weights, packed once at load, bit for bit the
+  f32 product of the rounded weights), an embedding gathers its rows from the f16 table
+  and casts the rows, and the other readers (norms, biases, filters: small) a cast.
 - ``q4_0``: every 2-D floating-point parameter that the program reads only as the weight of a
   matrix product over its last axis (``linear(x, W)``, ``matmul(x, W.t())``; also a table that
   an embedding gathers rows from when the same table is such a weight, i.e. a tied lm_head)
@@ -32,7 +35,7 @@ import torch.fx as fx
 
 from gdn_fx.errors import UsageError
 from gdn_fx.lowering.options import Q4_GROUP, check_format
-from gdn_fx.lowering.t2n import streamed
+from gdn_fx.lowering.t2n.placeholders import active as active_placeholders
 
 aten = torch.ops.aten
 LOG = logging.getLogger("gdn_fx.lowering")
@@ -130,10 +133,55 @@ def _register_handler() -> None:
         return []
 
 
+# A weight only matrix products read: stored f16 and handed to tract's matmul as it is.
+MATMUL_WEIGHT = "gdn_fx_matmul_weight"
+
+
+@torch.library.custom_op(f"t2n_extra::{MATMUL_WEIGHT}", mutates_args=())
+def matmul_weight(weight: torch.Tensor, anchor: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` (f16 as stored) as the program's matmul reads it: cast to ``dtype`` in
+    torch; in the NNEF the stored variable itself (tract's matmul takes it so)."""
+    return weight.to(dtype)
+
+
+@matmul_weight.register_fake
+def _(weight, anchor, dtype):
+    return torch.empty_like(weight, dtype=dtype)
+
+
+def _register_matmul_handler() -> None:
+    from torch_to_nnef.op.extras import register
+
+    @register(MATMUL_WEIGHT)
+    def gdn_fx_matmul_weight(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
+        """``t2n_extra::gdn_fx_matmul_weight`` -> ``copy`` of the f16 variable (no cast)."""
+        weight = op_helper.get_or_add_tensor_variable_in_nnef(node.inputs[0])
+        op_helper.add_single_output_op_from_nnef_tensors(
+            node, "copy", inputs=weight, attrs={}, maybe_cast_align_tract=False)
+        return []
+
+
 _register_handler()
+_register_matmul_handler()
+
+
+def _reader_kind(node: fx.Node, user: fx.Node) -> str:
+    """How ``user`` reads the f16-stored ``node``: "matmul" (the weight of ``linear``: tract
+    takes it as stored), "gather" (rows of an embedding table: gathered in f16, the rows
+    cast), or "cast" (anything else: the whole weight cast back where read)."""
+    if user.target is aten.linear.default and user.args[1] is node and user.args[0] is not node:
+        return "matmul"
+    if user.target is aten.embedding.default and user.args[0] is node and \
+            node not in user.args[1:]:
+        return "gather"
+    return "cast"
 
 
 def _as_f16(module: fx.GraphModule, report: WeightReport) -> None:
+    """Each floating parameter stored f16; each reader routed by :func:`_reader_kind`: a cast
+    of a whole weight runs on every call in tract (not folded at load), so only the small
+    ones (norms, biases, conv filters) are read through one."""
     graph = module.graph
     anchor = next((n for n in graph.nodes if n.op == "placeholder" and n.users
                    and isinstance(n.meta.get("val"), torch.Tensor)), None)
@@ -149,24 +197,44 @@ def _as_f16(module: fx.GraphModule, report: WeightReport) -> None:
             continue
         half = torch.nn.Parameter(_converted(param, torch.float16), requires_grad=False)
         _set_attribute(module, node.target, half)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        first = min(node.users, key=order.__getitem__)  # after the anchor input, too
-        with graph.inserting_before(first):
-            cast = graph.call_function(torch.ops.t2n_extra.gdn_fx_stored_weight.default,
-                                       (node, anchor, param.dtype))
-        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
-        cast.meta["val"] = node.meta.get("val")
+        read = node.meta.get("val")
         node.meta["val"] = torch.empty(half.shape, dtype=half.dtype, device="meta")
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        users = sorted(node.users, key=order.__getitem__)
+        kinds = {user: _reader_kind(node, user) for user in users}
+        for op, kind in ((torch.ops.t2n_extra.gdn_fx_matmul_weight.default, "matmul"),
+                         (torch.ops.t2n_extra.gdn_fx_stored_weight.default, "cast")):
+            readers = [u for u in users if kinds[u] == kind]
+            if readers:
+                with graph.inserting_before(readers[0]):  # after the anchor input, too
+                    weight = graph.call_function(op, (node, anchor, param.dtype))
+                weight.meta["val"] = read
+                for reader in readers:
+                    reader.replace_input_with(node, weight)
+        for reader in (u for u in users if kinds[u] == "gather"):
+            _cast_rows(graph, reader, param.dtype)
         report.converted.append(node.target)
     if report.converted:
         graph.lint()
         module.recompile()
 
 
+def _cast_rows(graph: fx.Graph, gather: fx.Node, dtype: torch.dtype) -> None:
+    """``embedding(W, ids)`` on the f16 table W, its rows cast to ``dtype`` (the cast commutes
+    with the gather: the same values, and only the rows gathered are cast)."""
+    rows = gather.meta.get("val")
+    with graph.inserting_after(gather):
+        cast = graph.call_function(aten.to.dtype, (gather, dtype))  # aten::to for jit.trace
+    gather.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+    cast.meta["val"] = rows
+    if isinstance(rows, torch.Tensor):
+        gather.meta["val"] = rows.to(torch.float16)
+
+
 def _converted(param, to):
     """``param`` as ``to`` (a dtype, or a quantizer) stores it; a placeholder of a streamed
-    export (t2n/streamed.py) stays one, whose source the writer converts instead."""
-    placeholders = streamed.active()
+    export (t2n/placeholders.py) stays one, whose source the writer converts instead."""
+    placeholders = active_placeholders()
     if placeholders is not None and placeholders.source(param.detach()) is not None:
         if isinstance(to, torch.dtype):
             return placeholders.as_dtype(param.detach(), to)

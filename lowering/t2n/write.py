@@ -1,7 +1,7 @@
 """The lowering's one entry point: a program with fused gdn_fx nodes -> an NNEF file.
 
 ``write_nnef`` owns the sequence, in this order: make the program traceable by torch-to-nnef
-(t2n/program.py), refuse what tract cannot run right (loops kept as one higher-order node;
+(t2n/traceable.py), refuse what tract cannot run right (loops kept as one higher-order node;
 bfloat16; dynamic axes the program cannot follow, t2n/dynamic_axes.py), apply the fixes
 (t2n/fixes.py), plan one candidate per fused node (plan.py over table.py), turn the fused
 nodes into bridge ops that carry their candidate (t2n/bridge.py), and trace and write with
@@ -23,8 +23,9 @@ import torch
 from gdn_fx.errors import ExportRefused, InternalError, LoweringUnsupported, UsageError
 from gdn_fx.lowering.options import ExportOptions
 from gdn_fx.lowering.plan import fallbacks, max_tokens, plan, summary
-from gdn_fx.lowering.t2n import program as prog
-from gdn_fx.lowering.t2n import streamed
+from gdn_fx.lowering.t2n import traceable as prog
+from gdn_fx.lowering.t2n.placeholders import active as active_placeholders
+from gdn_fx.lowering.t2n.placeholders import labels, streamed_writes
 from gdn_fx.lowering.t2n.bridge import to_bridge
 from gdn_fx.lowering.t2n.dynamic_axes import frozen_axes, refuse_frozen_axes
 from gdn_fx.lowering.t2n.fixes import POSITION_SYMBOL_MAX, apply_fixes
@@ -171,11 +172,11 @@ def _paced_collections():
 
 
 def _streamed(module, t2n_target):
-    """A streamed export (t2n/streamed.py): its placeholders written from their sources."""
-    placeholders = streamed.active()
+    """A streamed export (t2n/placeholders.py): its placeholders written from their sources."""
+    placeholders = active_placeholders()
     if placeholders is None:
         return contextlib.nullcontext()
-    return streamed.streamed_writes(streamed.labels(module, placeholders), t2n_target)
+    return streamed_writes(labels(module, placeholders), t2n_target)
 
 
 def _write(module, writer_path: Path, compression: Optional[int], target: Target,

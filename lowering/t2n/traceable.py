@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from gdn_fx.errors import DTypeError, UnsupportedProgram
-from gdn_fx.lowering.facts import static_dim
+from gdn_fx.lowering.node_facts import static_dim
 from gdn_fx.lowering.fx_nodes import Program, source_module
 from gdn_fx.lowering.t2n.traced_sizes import trace_sizes
 
