@@ -167,11 +167,15 @@ _register_matmul_handler()
 
 
 def _reader_kind(node: fx.Node, user: fx.Node) -> str:
-    """How ``user`` reads the f16-stored ``node``: "matmul" (the weight of ``linear``: tract
-    takes it as stored), "gather" (rows of an embedding table: gathered in f16, the rows
+    """How ``user`` reads the f16-stored ``node``: "matmul" (the weight of ``linear``, or its
+    transpose read by matrix products only: tract takes it as stored), "gather" (rows of an embedding table: gathered in f16, the rows
     cast), or "cast" (anything else: the whole weight cast back where read)."""
     if user.target is aten.linear.default and user.args[1] is node and user.args[0] is not node:
         return "matmul"
+    if user.target in _TRANSPOSES and _is_reduction_transpose(user) and user.users and all(
+            u.target in _PRODUCTS and u.args[1] is user and u.args[0] is not user
+            for u in user.users):
+        return "matmul"  # x @ W.t(): a tied head's product, as transformers spells it
     if user.target is aten.embedding.default and user.args[0] is node and \
             node not in user.args[1:]:
         return "gather"
