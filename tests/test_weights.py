@@ -141,10 +141,13 @@ def test_q4_0_stores_linear_weights_in_18_bytes_per_32(exported):
     stored = sum(len(q4[n]) - HEADER for n in linear)
     plain = sum(len(f32[n]) - HEADER for n in linear)
     assert stored / plain == pytest.approx(9 / 64)  # ~1/7 of f32
+    table = model.model.embed_tokens.weight  # gathered from: Q4_0 as well
+    assert len(q4["model.model.embed_tokens.weight"]) - HEADER == table.numel() // 32 * 18
     # (torch-to-nnef folds some parameters into constants of its own naming)
-    others = ({f"model.{n}" for n, _ in model.named_parameters()} - set(linear)) & set(f32)
+    others = ({f"model.{n}" for n, _ in model.named_parameters()} - set(linear)
+              - {"model.model.embed_tokens.weight"}) & set(f32)
     assert others
-    for name in others:  # norms, conv filters, the embedding: as in the f32 export
+    for name in others:  # norms, conv filters: as in the f32 export
         assert q4[name] == f32[name], name
     assert paths["q4_0"].stat().st_size < paths["f32"].stat().st_size
 
@@ -162,13 +165,18 @@ def test_q4_0_tract_computes_with_the_decoded_weights(exported):
         error = np.abs(decoded[name].reshape(-1, 32) - w)
         assert (error <= step_size * 1.01).all(), name
         assert np.median(error / step_size) < 0.3, name
+    table = "model.model.embed_tokens.weight"  # the gathered table is Q4_0 too
+    decoded[table] = _decode_q4(q4[table], tuple(model.model.embed_tokens.weight.shape))
     as_stored = DecodeStep(_twin(model, decoded)).eager(*args)
     assert _max_error(paths["q4_0"], as_stored, args) <= AS_STORED
     against_eager = _max_error(paths["q4_0"], step.eager(*args), args)
     assert Q4_AT_LEAST <= against_eager <= Q4_VS_EAGER
 
 
-def test_q4_0_tied_lm_head_gets_its_own_copy(tmp_path):
+def test_q4_0_tied_table_is_one_q4_0_tensor_for_the_gather_and_the_head(tmp_path):
+    """A tied embedding table is stored once, as Q4_0: the embedding gathers its rows (tract
+    reads rows of a Q4_0 constant) and the head multiplies with it; tract computes what
+    eager computes with the decoded table in both places."""
     model = tiny_model("qwen3_5", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     step = DecodeStep(model)
@@ -178,15 +186,20 @@ def test_q4_0_tied_lm_head_gets_its_own_copy(tmp_path):
                               input_names=step.input_names, output_names=step.output_names)
     files = _dat_files(path)
     table = model.lm_head.weight.detach()
-    copies = [n for n in files if n.endswith("_q4_0")]
-    assert len(copies) == 1 and len(files[copies[0]]) - HEADER == table.numel() // 32 * 18
-    gathered = [n for n in files if files[n][HEADER:] == table.numpy().tobytes()]
-    assert gathered  # the embedding still gathers from the f32 table
+    q4_bytes = table.numel() // 32 * 18
+    tables = [n for n in files if len(files[n]) - HEADER == q4_bytes and "embed" in n or
+              n.endswith("lm_head.weight")]
+    assert len(tables) == 1 and not [n for n in files if n.endswith("_q4_0")], sorted(files)
+    assert not [n for n in files if files[n][HEADER:] == table.numpy().tobytes()]  # no f32 copy
+    text = tract_check.nnef_text(path)
+    assert "datum_type = 'f32'" in text  # the gather from the Q4_0 table
     decoded = {n: _decode_q4(files[n], tuple(w.shape)) for n, w in _linear_weights(model).items()
                if n in files and len(files[n]) - HEADER == w.numel() // 32 * 18}
     twin = _twin(model, decoded)
-    twin.lm_head.weight = torch.nn.Parameter(torch.from_numpy(
-        _decode_q4(files[copies[0]], tuple(table.shape))))  # untied: the head's own copy
+    with torch.no_grad():
+        twin.lm_head.weight.copy_(torch.from_numpy(_decode_q4(files[tables[0]],
+                                                              tuple(table.shape))))
+    assert twin.lm_head.weight is twin.model.embed_tokens.weight  # still one table
     as_stored = DecodeStep(twin).eager(*args)
     assert _max_error(path, as_stored, args) <= AS_STORED
 

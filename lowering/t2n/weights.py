@@ -12,8 +12,8 @@
   f32 product of the rounded weights), an embedding gathers its rows from the f16 table
   and casts the rows, and the other readers (norms, biases, filters: small) a cast.
 - ``q4_0``: every 2-D floating-point parameter that the program reads only as the weight of a
-  matrix product over its last axis (``linear(x, W)``, ``matmul(x, W.t())``; also a table that
-  an embedding gathers rows from when the same table is such a weight, i.e. a tied lm_head)
+  matrix product over its last axis (``linear(x, W)``, ``matmul(x, W.t())``) or as a table
+  an embedding gathers rows from (a tied lm_head is both: one Q4_0 table serves the two),
   and whose last axis is a multiple of 32 becomes torch-to-nnef's tract Q4_0 tensor
   (``fp_to_tract_q4_0_with_min_max_calibration``: groups of 32 consecutive weights along
   the last axis, one f16 scale per group, 4-bit codes; 18 bytes per 32 weights, 9/64 of
@@ -262,8 +262,9 @@ def _weight_use(weight: fx.Node, user: fx.Node) -> Optional[str]:
     the weight's last axis, or an embedding gather, which tract reads Q4_0 for too)."""
     if user.target is aten.linear.default and user.args[0] is not weight:
         return None
-    if user.target is aten.embedding.default and user.args[0] is weight:
-        return "embedding"  # allowed only beside a product: see _why_not_q4_0
+    if user.target is aten.embedding.default and user.args[0] is weight and \
+            weight not in user.args[1:]:
+        return None  # tract gathers rows of a Q4_0 constant (torch-to-nnef: datum_type)
     if user.target in _TRANSPOSES and _is_reduction_transpose(user) and user.users and all(
             u.target in _PRODUCTS and u.args[1] is user and u.args[0] is not user
             for u in user.users):
@@ -277,13 +278,8 @@ def _why_not_q4_0(module: fx.GraphModule, node: fx.Node, param) -> Optional[str]
         return f"rank {param.dim()}"
     if param.shape[-1] % Q4_GROUP:
         return f"last axis {param.shape[-1]} is not a multiple of {Q4_GROUP}"
-    uses = [_weight_use(node, user) for user in node.users]
-    blocking = [u for u in uses if u not in (None, "embedding")]
-    if blocking:
-        return blocking[0]
-    if None not in uses:
-        return "only gathered (an embedding table): not a matmul weight"
-    return None
+    blocking = [why for why in (_weight_use(node, user) for user in node.users) if why]
+    return blocking[0] if blocking else None
 
 
 def _as_q4_0(module: fx.GraphModule, report: WeightReport) -> None:
@@ -302,35 +298,21 @@ def _as_q4_0(module: fx.GraphModule, report: WeightReport) -> None:
 
 
 def _quantize_products(module: fx.GraphModule, node: fx.Node, param) -> None:
-    """Point every matrix product reading ``node`` at a Q4_0 copy of ``param``, each as
-    ``linear(x, W)``: torch-to-nnef 0.24.12 writes a transpose of a Q4_0 variable as the
-    variable itself (``x @ W.t()`` came out with W's shape), so ``matmul(x, t(W))`` becomes
-    ``linear(x, W)``. A table an embedding also gathers from (a tied lm_head) keeps its
-    values for the gather, and the products get a Q4_0 copy of their own, which also gives
-    tract a constant with one consumer to pack once."""
+    """Store ``param`` as ONE Q4_0 tensor under its own name, which its gathers (an
+    embedding table) and its products (a tied lm_head too) all read: tract gathers rows of a
+    Q4_0 constant (torch-to-nnef writes the gather's ``datum_type``), and packs the products'
+    copy itself. Each product as ``linear(x, W)``: torch-to-nnef 0.24.12 writes a transpose
+    of a Q4_0 variable as the variable itself (``x @ W.t()`` came out with W's shape), so
+    ``matmul(x, t(W))`` becomes ``linear(x, W)``."""
     from torch_to_nnef.tensor.quant import fp_to_tract_q4_0_with_min_max_calibration
 
-    graph = module.graph
     with torch.no_grad():
         quantized = _converted(param, fp_to_tract_q4_0_with_min_max_calibration)
-    products = [u for u in node.users if u.target is not aten.embedding.default]
-    if len(products) == len(node.users):
-        quantized.nnef_name = node.target
-        _set_attribute(module, node.target, torch.nn.Parameter(quantized, requires_grad=False))
-        weight = node
-    else:
-        name = f"{node.target}_q4_0"  # beside the original: its NNEF label is this name
-        owner_path, _, field = name.rpartition(".")
-        owner = module.get_submodule(owner_path) if owner_path else module
-        owner.register_parameter(field, torch.nn.Parameter(quantized, requires_grad=False))
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        with graph.inserting_before(min(products, key=order.__getitem__)):
-            weight = graph.get_attr(name)
-        weight.meta["val"] = node.meta.get("val")
-    for user in products:
-        if user.target is aten.linear.default:
-            user.replace_input_with(node, weight)
+    quantized.nnef_name = node.target
+    _set_attribute(module, node.target, torch.nn.Parameter(quantized, requires_grad=False))
+    for user in list(node.users):
+        if user.target in (aten.linear.default, aten.embedding.default):
             continue
         for product in list(user.users):  # a transpose feeding matmul / mm as their rhs
-            product.target, product.args = aten.linear.default, (product.args[0], weight)
-        graph.erase_node(user)
+            product.target, product.args = aten.linear.default, (product.args[0], node)
+        module.graph.erase_node(user)
