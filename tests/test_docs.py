@@ -1,5 +1,6 @@
-"""The docs cannot rot: the family table is the code's, the getting-started blocks run as
-written, and the site lists every page (CI builds it with ``mkdocs build --strict``)."""
+"""The docs cannot rot: the family table is the code's, every Python block of README and
+docs/ runs as written (here or in test_readme.py), every ``gdn-fx`` command line they show
+parses, and the site lists every page (CI builds it with ``mkdocs build --strict``)."""
 
 import re
 from pathlib import Path
@@ -11,6 +12,46 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _python_blocks(page: Path) -> list:
     return re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+
+
+# The Python blocks each page holds, all run by the tests below (README's: test_readme.py).
+# A new block fails here until a test runs it.
+RUN = {"README.md": 2, "getting-started.md": 2, "runtime.md": 1, "python-api.md": 4,
+       "text.md": 2}
+
+
+def _pages() -> list:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_python_block_is_run():
+    held = {p.name: len(_python_blocks(p)) for p in _pages() if _python_blocks(p)}
+    assert held == RUN
+
+
+def _command_lines(page: Path) -> list:
+    """``gdn-fx ...`` lines of a page's code (fenced, or indented by four spaces), with
+    continuations joined and comments, prompts and ``[optional]`` parts dropped."""
+    text = page.read_text()
+    code = re.findall(r"```\w*\n(.*?)```", text, re.S)
+    code += [line for line in text.splitlines() if line.startswith("    ")]
+    lines = re.sub(r"\\\n\s*", " ", "\n".join(code)).splitlines()
+    lines = [re.sub(r"\s#.*", "", line).strip().removeprefix("$ ") for line in lines]
+    return [re.sub(r"\[[^]]*\]", "", line) for line in lines if line.startswith("gdn-fx ")]
+
+
+@pytest.mark.parametrize("page", [p.name for p in _pages() if _command_lines(p)])
+def test_every_command_line_shown_parses(page):
+    import shlex
+
+    from gdn_fx.cli import _parser
+
+    path = ROOT / page if page == "README.md" else ROOT / "docs" / page
+    for line in _command_lines(path):
+        try:
+            _parser().parse_args(shlex.split(line)[1:])
+        except SystemExit:
+            pytest.fail(f"{page}: {line!r} does not parse")
 
 
 def test_readme_family_table_is_the_codes():
@@ -72,3 +113,45 @@ def test_the_runtime_page_block_runs(demo_nnef, tmp_path, monkeypatch, capsys):
     block = _python_blocks(ROOT / "docs" / "runtime.md")[0]
     exec(compile(block, "runtime block 0", "exec"), {})
     assert capsys.readouterr().out.strip()  # an answer, then the streamed pieces
+
+
+@pytest.mark.slow  # exports a whole tiny model twice and generalizes a small one
+def test_the_python_api_blocks_run(tmp_path, monkeypatch, capsys):
+    """docs/python-api.md's blocks in order in one namespace, given what they name of the
+    user's: a delta-rule loop of another author (``model``, ``args``), a prompt, and for the
+    generalize block a model of one's own with ``example_inputs(S, P)``."""
+    from spellings import SPELLING
+    from test_generalize import Hybrid
+
+    monkeypatch.chdir(tmp_path)
+    blocks = _python_blocks(ROOT / "docs" / "python-api.md")
+    spelling = SPELLING[next(iter(SPELLING))]
+    given = {"model": spelling.module(), "args": spelling.inputs()}
+    given["eager_outputs"] = given["model"](*given["args"])
+    exec(compile(blocks[0], "python-api block 0", "exec"), given)
+    assert given["result"].counts["gated_delta_scan"] == 1
+    given["prompt_ids"] = [1, 2, 3]
+    for index in (1, 2):
+        exec(compile(blocks[index], f"python-api block {index}", "exec"), given)
+    assert "every token equal" in capsys.readouterr().out
+    own = {"model": Hybrid().eval(), "torch": given["torch"], "gdn_fx": given["gdn_fx"]}
+    exec(compile(blocks[3], "python-api block 3", "exec"), own)
+    assert own["gen"].sites and (tmp_path / "m.nnef.tgz").exists()
+
+
+@pytest.mark.slow  # reads the demo export (conftest.py)
+def test_the_text_page_blocks_run(demo_nnef, tmp_path, monkeypatch, capsys):
+    """docs/text.md's blocks in order, with the demo export where they read
+    ``out/keeper.nnef.tgz`` and its text folder beside it."""
+    from gdn_fx.runtime.text import text_folder
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keeper.nnef.tgz").symlink_to(demo_nnef)
+    (tmp_path / "out" / "keeper.text").symlink_to(text_folder(demo_nnef))
+    monkeypatch.chdir(tmp_path)
+    given = {}
+    for index, block in enumerate(_python_blocks(ROOT / "docs" / "text.md")):
+        exec(compile(block, f"text block {index}", "exec"), given)
+    assert capsys.readouterr().out.strip()
+    assert [len(r.tokens) for r in given["results"]] == [64, 64, 64]
+    assert [r.summary.text for r in given["runs"]] != ["", ""]

@@ -89,6 +89,9 @@ class Hybrid(nn.Module):
         x = x + self.att_out(y.transpose(1, 2).reshape(B, S, -1))
         return self.head(x), new_conv, new_rec, ak, av
 
+    def example_inputs(self, S, P, batch=1, seed=1):
+        return self.example(S, P, batch, seed)
+
     def example(self, S, P, batch=1, seed=1):
         gen = torch.Generator().manual_seed(seed + 7 * S + 13 * P)
         inner = self.heads * self.dk

@@ -17,13 +17,14 @@ import transformers.integrations.moe  # noqa: F401  (registers transformers::gro
 import gdn_fx
 from gdn_fx import tract_check
 from gdn_fx.hf import tiny_model
-from gdn_fx.hf.configs import SAFE_TOKEN_RANGE, available_families
+from gdn_fx.hf.configs import SAFE_TOKEN_RANGE, available_families, families
 from gdn_fx.hf.generator import Generator, check_generation, export_generator
 
 pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
 
-MOE_FAMILIES = [f for f in ("qwen3_5_moe", "qwen3_next", "lara_mini")
-                if f in available_families()]
+# The GDN families' experts route by softmax top-k, the form one tract_moe_ffn takes; the MLA
+# families' (kimi_linear, bailing_hybrid: sigmoid scores plus a bias, groups) stay gathers.
+MOE_FAMILIES = [f for f in families(moe=True, mixer="gdn") if f in available_families()]
 # Prompt lengths: S = 1 (the whole prompt one decode-sized call) and S = 37, more (token,
 # expert) rows than the tiny models have experts (top-2 of 4).
 PROMPTS = (1, 37)

@@ -47,6 +47,17 @@ def test_tiny_config_is_small_hybrid_and_runs(name):
     assert logits.shape == (2, 5, cfg.vocab_size) and logits.isfinite().all()
 
 
+def _routed_experts(module) -> bool:
+    """A block with a router and a stack of experts, by what transformers' MoE blocks hold."""
+    return hasattr(module, "experts") and any(hasattr(module, n) for n in ("gate", "router"))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_flags_say_what_the_model_holds(name):
+    """Family.moe, which tests derive their MoE lists from, agrees with the modules."""
+    assert family(name).moe == any(_routed_experts(m) for m in model(name).modules()), name
+
+
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "olmo_hybrid", "lara_mini"])
 def test_gdn_configs_use_grouped_value_heads(name):
     cfg = text_config(name)

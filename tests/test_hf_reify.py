@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
 
 SCAN = torch.ops.gdn_fx.gated_delta_scan.default
 CONV = torch.ops.gdn_fx.causal_conv1d_update.default
-DYNAMIC_FAMILIES = [f for f in FAMILIES if family(f).mixer != "mamba2"]
+DYNAMIC_FAMILIES = [f for f in FAMILIES if family(f).dynamic]
 CHECK_SEQ = (2, 3, 8, 17, 50)
 
 

@@ -40,9 +40,23 @@ class Family:
     model_class: str
     fields: dict
     mixer: str  # "gdn", "kda", "conv" (short conv only) or "mamba2"
+    # The capability flags: tests derive their family lists from them, so a new family is
+    # tested for what it can do by saying it here (docs/contributing.md).
     # export_generator writes it a generation-ready artifact (glm5_next's indexer has sizes
-    # that depend on values; mamba2's SSD scan is not a delta rule): tests derive their lists
+    # that depend on values; mamba2's SSD scan is not a delta rule)
     generates: bool = True
+    moe: bool = False  # routed experts in some layers
+
+    @property
+    def kda(self) -> bool:
+        """Kimi-delta attention: a gate per key channel instead of one per head."""
+        return self.mixer == "kda"
+
+    @property
+    def dynamic(self) -> bool:
+        """Its prefill exports with a symbolic sequence length (mamba2's SSD chunk padding
+        specializes the length; see tests/test_hf_reify.py)."""
+        return self.mixer != "mamba2"
 
     @property
     def available(self) -> bool:
@@ -69,24 +83,24 @@ _FAMILIES = [
         layer_types=[LIN, FULL, LIN, LIN]), "gdn"),
     Family("qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
         **_ATTN, **_gdn(2, 4, 8, 8), **_MOE, num_hidden_layers=3,
-        layer_types=[LIN, LIN, FULL]), "gdn"),
+        layer_types=[LIN, LIN, FULL]), "gdn", moe=True),
     Family("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         **_ATTN, **_gdn(2, 4, 16, 16), **_MOE, num_hidden_layers=4, intermediate_size=64,
-        layer_types=[LIN, LIN, LIN, FULL]), "gdn"),
+        layer_types=[LIN, LIN, LIN, FULL]), "gdn", moe=True),
     Family("olmo_hybrid", "OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
         hidden_size=32, num_attention_heads=4, num_key_value_heads=2, **_gdn(2, 4, 8, 16),
         num_hidden_layers=3, intermediate_size=64, layer_types=[LIN, FULL, LIN]), "gdn"),
     Family("lara_mini", "LaraMiniConfig", "LaraMiniForCausalLM", dict(
         **_ATTN, **_gdn(2, 4, 16, 16), **_MOE, num_hidden_layers=4, sliding_window=128,
-        layer_types=[LIN, "sliding_attention", LIN, FULL]), "gdn"),
+        layer_types=[LIN, "sliding_attention", LIN, FULL]), "gdn", moe=True),
     Family("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM", dict(
         **_MLA, qk_rope_head_dim=8, num_local_experts=4, linear_num_heads=4,
         linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=3,
-        layer_types=[LIN, FULL, LIN]), "kda"),
+        layer_types=[LIN, FULL, LIN]), "kda", moe=True),
     Family("bailing_hybrid", "BailingHybridConfig", "BailingHybridForCausalLM", dict(
         **_MLA, qk_rope_head_dim=8, num_local_experts=4, head_dim=16, n_group=1, topk_group=1,
         short_conv_kernel_size=4, num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
-        first_k_dense_replace=1), "kda"),
+        first_k_dense_replace=1), "kda", moe=True),
     Family("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(
         **_ATTN, intermediate_size=64, block_multiple_of=16, num_hidden_layers=3,
         layer_types=["conv", FULL, "conv"], conv_bias=True, conv_L_cache=3), "conv"),
@@ -114,11 +128,18 @@ def _glm5_next_config(**overrides: Any):
 
 
 _GLM5 = Family("glm5_next", "Glm5NextConfig", "Glm5NextForConditionalGeneration", {}, "kda",
-                generates=False)
+               generates=False, moe=True)
 
 FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [*_FAMILIES, _GLM5]}
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
 GENERATING: tuple[str, ...] = tuple(f for f in FAMILIES if FAMILY_SPECS[f].generates)
+
+
+def families(**flags: Any) -> tuple[str, ...]:
+    """The families whose fields and flags equal ``flags``: ``families(moe=True,
+    mixer="gdn")``."""
+    return tuple(f for f, spec in FAMILY_SPECS.items()
+                 if all(getattr(spec, k) == v for k, v in flags.items()))
 # Token ids drawn by example inputs stay below this, clear of special and multimodal ids.
 SAFE_TOKEN_RANGE = (3, 56)
 
