@@ -33,6 +33,7 @@ _WHERE = {
     "export_nnef": "gdn_fx.export", "ExportOptions": "gdn_fx.lowering.options",
     "Generalized": "gdn_fx.generalization", "generalize": "gdn_fx.generalization",
     "Generator": "gdn_fx.runtime", "GenerationResult": "gdn_fx.runtime",
+    "BatchGenerator": "gdn_fx.runtime",
 }
 
 
@@ -57,7 +58,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_WHERE))
 
 
-__all__ = ["CollapseResult", "ExportOptions", "GdnFxError", "GeneralizeRefused", "Generalized",
+__all__ = ["BatchGenerator", "CollapseResult", "ExportOptions", "GdnFxError", "GeneralizeRefused", "Generalized",
            "GenerationResult", "Generator", "GraphDiff", "Miss",
            "collapse", "compare_programs", "export_nnef", "generalize",
            "find_unrolled", "graph_diff", "ops"]

@@ -360,7 +360,7 @@ def _batched(args, prompts: list, options: dict, resolved) -> int:
     """Every prompt of --prompts-file through the --batch slots of a batched export
     (``gdn_fx.hf.batch.BatchGenerator``): output as ``_many`` gives it. 0, or 1 when --check
     finds a difference."""
-    from gdn_fx.hf.batch import BatchGenerator, check_batch
+    from gdn_fx.runtime.batch import BatchGenerator, check_batch
     from gdn_fx.hf.generator import check_generation
     from gdn_fx.runtime.parallel import check_workers
 

@@ -304,7 +304,7 @@ def _check_prompts(seed: int, lengths: Sequence[int]) -> list:
 def _check_batched(report: GeneratorReport, job: Job, reference, say) -> GeneratorReport:
     """The batched export's own check: B + 1 prompts of different lengths through its B
     slots (so one slot is taken over mid-way), each against transformers' generate alone."""
-    from gdn_fx.hf.batch import BatchGenerator
+    from gdn_fx.runtime.batch import BatchGenerator
     from gdn_fx.hf.generator import check_generation
 
     lengths = [CHECK_PROMPT - 3 * (i % 4) for i in range(job.batch + 1)]

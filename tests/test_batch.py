@@ -13,7 +13,8 @@ import torch
 
 from gdn_fx.errors import ArtifactError, UnsupportedModel, UsageError
 from gdn_fx.hf import tiny_model
-from gdn_fx.hf.batch import MASKED, BatchGenerator, BatchStep
+from gdn_fx.hf.batch import BatchStep
+from gdn_fx.runtime.batch import MASKED, BatchGenerator
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
 from gdn_fx.hf.generator import Generator, check_generation, export_generator
 

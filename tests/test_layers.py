@@ -174,9 +174,10 @@ def _without_torch(code: str) -> subprocess.CompletedProcess:
 
 
 def test_import_gdn_fx_imports_neither_torch_nor_transformers():
-    done = _without_torch("import gdn_fx\nfrom gdn_fx import Generator\n"
+    done = _without_torch("import gdn_fx\nfrom gdn_fx import Generator, BatchGenerator\n"
                           "from gdn_fx.runtime import load_tokenizer\n"
                           "import gdn_fx.runtime.streaming, gdn_fx.runtime.parallel\n"
+                          "import gdn_fx.runtime.batch\n"
                           "print(sorted(m for m in sys.modules if m.split('.')[0] in "
                           "('torch', 'transformers')))")
     assert done.returncode == 0, done.stderr

@@ -12,11 +12,13 @@ that only runs exported files installs none of them (README, "Install").
 - artifact.py: what an artifact declares, and the checks before a call reaches tract;
 - generator.py: :class:`Generator`, prefill and decode over one kept tract State;
 - sampling.py, text.py, streaming.py: token choice, tokenizers and chat, streamed text;
-- parallel.py: several sequences at once, one State per thread.
+- parallel.py: several sequences at once, one State per thread;
+- batch.py: :class:`BatchGenerator`, B sequences in one call of a batched artifact.
 """
 
 from gdn_fx.runtime.artifact import UnverifiedPair, load_graph
+from gdn_fx.runtime.batch import BatchGenerator
 from gdn_fx.runtime.generator import GenerationResult, Generator
 from gdn_fx.runtime.text import load_tokenizer
 
-__all__ = ["GenerationResult", "Generator", "UnverifiedPair", "load_graph", "load_tokenizer"]
+__all__ = ["BatchGenerator", "GenerationResult", "Generator", "UnverifiedPair", "load_graph", "load_tokenizer"]
