@@ -48,7 +48,7 @@ def tract_batched(path: Path, batch: int, past: int):
     columns, rows seeing different numbers of them."""
     import numpy as np
 
-    from gdn_fx.hf.batch import MASKED, BatchGenerator
+    from gdn_fx.runtime.batch import MASKED, BatchGenerator
 
     gen = BatchGenerator(path)
     rng = np.random.default_rng(0)

@@ -91,7 +91,7 @@ def main(argv=None) -> None:
         generator.generate(prompts[0], 2)  # warm-up
         calls = {}
         if args.batch:
-            from gdn_fx.hf.batch import BatchGenerator
+            from gdn_fx.runtime.batch import BatchGenerator
 
             batched = BatchGenerator(export_generator(
                 model, Path(folder) / "b.nnef.tgz", batch=args.batch).main)
