@@ -33,8 +33,7 @@ best at S = 1, ``matmul`` 3.8x at S = 512, on a Qwen3.5-sized layer). Under CUDA
 faster prefill: the pair's main graph never runs decode (``serves_decode=False``), so its scans
 take ``chunked_window`` (the batched chunks of a 512-token window, on the GPU) where the one
 graph steps the native kernel token by token; the main graph then declares 512 tokens a call
-(``gdn_fx_max_tokens``), which the Generator cuts prompts to (docs/lowering.md, "Generation on
-the GPU").
+(``gdn_fx_max_tokens``), which the Generator cuts prompts to (docs/cuda.md).
 """
 
 from __future__ import annotations
