@@ -469,13 +469,14 @@ def _status(key: str) -> int:
 
 
 def child(kind: str, *args: str, module: str = "bench_generate", pinned: bool = True,
-          site: Optional[Path] = None) -> dict:
-    """Run one engine (``module``'s function ``kind``) in a fresh one-thread process; its
-    figures and peak RSS (``pinned=False``: glibc as users have it, see ALLOCATOR). ``site``:
-    a folder whose gdn_fx is imported instead of this tree's (another revision's, installed
-    there by ``install_revision``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRACT_NUM_THREADS="1",
-               RAYON_NUM_THREADS="1")  # the name tract's binary reads is rayon's
+          site: Optional[Path] = None, threads: int = 1) -> dict:
+    """Run one engine (``module``'s function ``kind``) in a fresh process of ``threads``
+    threads (one by default); its figures and peak RSS (``pinned=False``: glibc as users have
+    it, see ALLOCATOR). ``site``: a folder whose gdn_fx is imported instead of this tree's
+    (another revision's, installed there by ``install_revision``)."""
+    count = str(threads)
+    env = dict(os.environ, OMP_NUM_THREADS=count, MKL_NUM_THREADS=count,
+               TRACT_NUM_THREADS=count, RAYON_NUM_THREADS=count)  # tract's binary reads rayon's
     if site is not None:  # ahead of the editable install's finder, which comes last
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     if not pinned:
