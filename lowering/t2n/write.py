@@ -29,7 +29,6 @@ from gdn_fx.lowering.t2n.placeholders import labels, streamed_writes
 from gdn_fx.lowering.t2n.bridge import to_bridge
 from gdn_fx.lowering.t2n.dynamic_axes import frozen_axes, refuse_frozen_axes
 from gdn_fx.lowering.t2n.fixes import POSITION_SYMBOL_MAX, apply_fixes
-from gdn_fx.lowering.t2n import mlp_experts
 from gdn_fx.lowering.t2n.moe_ffn import FUSED, fuse_moe_blocks, split_choice
 from gdn_fx.lowering.t2n.offline_target import offline_tract_target
 from gdn_fx.lowering.t2n.scan_reset import needs_reset, reset_cumsum_scans
@@ -63,9 +62,6 @@ def write_nnef(program, path: Union[str, Path], *,
     moe, choose = split_choice(options.choose)  # choose["transformers_moe"], not a table entry
     if moe == FUSED:  # before the fixes: else plain (moe.py)
         fuse_moe_blocks(module, target)
-    mlp, choose = mlp_experts.split_choice(choose)  # choose["dense_mlp"], not a table entry
-    if mlp == mlp_experts.EXPERTS:
-        mlp_experts.fuse_dense_mlps(module, target, options.weights)
     fixed = apply_fixes(module)
     _refuse_specialized_axes(frozen, frozen_axes(module, dynamic_axes, names))
     if dynamic_axes:
