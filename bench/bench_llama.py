@@ -20,9 +20,8 @@ split rule), then per format:
   empty cache; tg at depth 512, the 512 tokens of depth not timed); load seconds and peak RSS
   (VmHWM; the GGUF is mmapped, its touched pages count) of the greedy program prefilling the
   same 512 ids as run_tract and decoding 8 tokens, one thread.
-- gdn-fx on both cores (f32): the artifact exported with each dense MLP as a two-expert
-  ``tract_moe_ffn`` (``choose={"dense_mlp": "tract_moe_ffn"}``, lowering/t2n/mlp_experts.py:
-  tract runs experts on rayon's threads, matmuls on one), run_tract with 2 threads.
+- gdn-fx on 2 threads: the same artifacts, run_tract with 2 threads (tract 0.23.9's matmuls
+  take one whatever the setting: the column shows what a second core gives one sequence).
 Engines alternate in ``--rounds`` rounds (the starting engine rotates), so a slow spell hits
 both; figures are medians over rounds, a ratio is the median of per-round ratios
 (gdn-fx / llama.cpp: above 1x, gdn-fx is slower or larger).
@@ -325,19 +324,6 @@ def torch_tokens(folder: str, ids: str, new: int, artifact: str = "") -> dict:
     return dict(tokens=tokens)
 
 
-EXPERTS = {"dense_mlp": "tract_moe_ffn"}  # lowering/t2n/mlp_experts.py: both cores
-
-
-def export_experts(folder: str, out: str) -> dict:
-    """The f32 artifact with each dense MLP as a two-expert tract_moe_ffn (the spelling with
-    which tract uses a second core for one sequence)."""
-    from gdn_fx.hf.checkpoint import export_checkpoint
-
-    start = time.perf_counter()
-    files = export_checkpoint(folder, out, weights="f32", dtype="f32", choose=EXPERTS)
-    return dict(seconds=time.perf_counter() - start, bytes=Path(files.main).stat().st_size)
-
-
 def tract_tokens(main: str, ids: str, new: int) -> dict:
     """gdn-fx's greedy tokens in tract (Generator.generate: argmax, no EOS stop)."""
     from gdn_fx.hf.generator import Generator
@@ -422,22 +408,15 @@ def prepare(args, tools: Llama, workdir: Path, say) -> tuple:
             made = gguf_file(tools, folder, gguf, fmt, pure, say)
             say(f"[{fmt}] GGUF {made['seconds']:.0f} s")
         files[fmt] = (art, gguf)
-    experts = workdir / f"{args.shape}-f32-experts.nnef.tgz"
-    if "f32" in files and not (args.reuse and experts.exists()):
-        exported = _child("export_experts", folder, experts, pinned=False)
-        say(f"[f32, MLP as experts] gdn-fx export {exported['seconds']:.0f} s")
     return folder, files
 
 
 def measure(files: dict, tools: Llama, rounds: int, reps: int, say) -> dict:
     """{(engine, fmt): [figures per round]}, the engines alternating (the first rotates)."""
-    def experts(art, gguf):  # f32 only: the artifact with each MLP as two experts, 2 threads
-        art = art.with_name(art.name.replace(".nnef.tgz", "-experts.nnef.tgz"))
-        return _child("run_tract", art, "", pinned=False, threads=2) if art.exists() else None
-
     engines = {
         "gdn-fx": lambda art, gguf: _child("run_tract", art, "", pinned=False),
-        "gdn-fx 2 threads": experts,
+        "gdn-fx 2 threads": lambda art, gguf: _child("run_tract", art, "", pinned=False,
+                                                     threads=2),
         "llama.cpp": lambda art, gguf: llama_run(tools, gguf, reps),
     }
     found = {(e, f): [] for e in engines for f in files}
@@ -445,10 +424,8 @@ def measure(files: dict, tools: Llama, rounds: int, reps: int, say) -> dict:
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             for fmt, (art, gguf) in files.items():
-                ran = engines[name](art, gguf)
-                if ran is not None:
-                    found[(name, fmt)].append(ran)
-                    say(f"[round {r + 1} {name} {fmt}] {ran}")
+                found[(name, fmt)].append(engines[name](art, gguf))
+                say(f"[round {r + 1} {name} {fmt}] {found[(name, fmt)][-1]}")
     return found
 
 
@@ -501,9 +478,7 @@ def _paired(ours: list, theirs: list, key: str, their_key: str = "") -> float:
 
 
 def _two(ours: list, theirs: list, key: str, their_key: str, unit: float, spec: str) -> str:
-    """The 2-thread cell: llama.cpp's figure, with gdn-fx's where it ran (f32's experts)."""
-    if not ours:
-        return f"- / {_med(theirs, their_key) * unit:{spec}}"
+    """The 2-thread cell: gdn-fx / llama.cpp (ratio)."""
     ratio = statistics.median(a[key] / b[their_key] for a, b in zip(ours, theirs))
     return (f"{_med(ours, key) * unit:{spec}} / {_med(theirs, their_key) * unit:{spec}} "
             f"({common.ratio(ratio)})")
@@ -532,9 +507,9 @@ def table(found: dict, files: dict) -> str:
         ])
     return common.markdown(
         ["format", f"prefill {PAST} s: gdn-fx / llama.cpp, 1 thread (ratio)",
-         "2 threads: gdn-fx (MLP as 2 experts) / llama.cpp (ratio)",
+         "2 threads: gdn-fx / llama.cpp (ratio)",
          f"decode ms/token at P={PAST}: gdn-fx / llama.cpp, 1 thread (ratio)",
-         "2 threads: gdn-fx (MLP as 2 experts) / llama.cpp (ratio)", "peak RSS GiB gdn-fx / llama.cpp",
+         "2 threads: gdn-fx / llama.cpp (ratio)", "peak RSS GiB gdn-fx / llama.cpp",
          "RSS the load adds GiB", "file bytes gdn-fx / llama.cpp", "load s gdn-fx / llama.cpp",
          "llama.cpp greedy program: prefill s / decode ms (1 thread)"], rows)
 
