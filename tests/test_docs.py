@@ -100,16 +100,22 @@ def test_the_cli_reference_is_the_parsers():
     assert (ROOT / "docs" / "cli-reference.md").read_text() == reference() + "\n"
 
 
+def _demo_export_as(demo_nnef, folder, monkeypatch, name: str) -> None:
+    """The demo export (conftest.py's) and its text folder as ``out/NAME.nnef.tgz`` and
+    ``out/NAME.text`` under ``folder``, the working directory then."""
+    from gdn_fx.runtime.text import text_folder
+
+    (folder / "out").mkdir()
+    (folder / "out" / f"{name}.nnef.tgz").symlink_to(demo_nnef)
+    (folder / "out" / f"{name}.text").symlink_to(text_folder(demo_nnef))
+    monkeypatch.chdir(folder)
+
+
 @pytest.mark.slow  # reads the demo export (conftest.py)
 def test_the_runtime_page_block_runs(demo_nnef, tmp_path, monkeypatch, capsys):
     """docs/runtime.md's block, as written, with the demo export where it reads
     ``out/model.nnef.tgz`` and its text folder beside it."""
-    from gdn_fx.runtime.text import text_folder
-
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "model.nnef.tgz").symlink_to(demo_nnef)
-    (tmp_path / "out" / "model.text").symlink_to(text_folder(demo_nnef))
-    monkeypatch.chdir(tmp_path)
+    _demo_export_as(demo_nnef, tmp_path, monkeypatch, "model")
     block = _python_blocks(ROOT / "docs" / "runtime.md")[0]
     exec(compile(block, "runtime block 0", "exec"), {})
     assert capsys.readouterr().out.strip()  # an answer, then the streamed pieces
@@ -153,12 +159,7 @@ def test_the_generalize_page_block_runs(tmp_path, monkeypatch):
 def test_the_text_page_blocks_run(demo_nnef, tmp_path, monkeypatch, capsys):
     """docs/text.md's blocks in order, with the demo export where they read
     ``out/keeper.nnef.tgz`` and its text folder beside it."""
-    from gdn_fx.runtime.text import text_folder
-
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keeper.nnef.tgz").symlink_to(demo_nnef)
-    (tmp_path / "out" / "keeper.text").symlink_to(text_folder(demo_nnef))
-    monkeypatch.chdir(tmp_path)
+    _demo_export_as(demo_nnef, tmp_path, monkeypatch, "keeper")
     given = {}
     for index, block in enumerate(_python_blocks(ROOT / "docs" / "text.md")):
         exec(compile(block, f"text block {index}", "exec"), given)
