@@ -21,7 +21,7 @@ RUN = {"README.md": 2, "getting-started.md": 2, "runtime.md": 1, "python-api.md"
 
 
 def _pages() -> list:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def test_every_python_block_is_run():
@@ -40,14 +40,14 @@ def _command_lines(page: Path) -> list:
     return [re.sub(r"\[[^]]*\]", "", line) for line in lines if line.startswith("gdn-fx ")]
 
 
-@pytest.mark.parametrize("page", [p.name for p in _pages() if _command_lines(p)])
+@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in _pages()
+                                  if _command_lines(p)])
 def test_every_command_line_shown_parses(page):
     import shlex
 
     from gdn_fx.cli import _parser
 
-    path = ROOT / page if page == "README.md" else ROOT / "docs" / page
-    for line in _command_lines(path):
+    for line in _command_lines(ROOT / page):
         try:
             _parser().parse_args(shlex.split(line)[1:])
         except SystemExit:
@@ -67,8 +67,9 @@ def test_readme_family_table_is_the_codes():
 
 def test_the_site_lists_every_page():
     nav = (ROOT / "mkdocs.yml").read_text()
-    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
-    listed = set(re.findall(r":\s*([\w.-]+\.md)\s*$", nav, re.M))
+    docs = ROOT / "docs"
+    pages = {p.relative_to(docs).as_posix() for p in docs.rglob("*.md")}
+    listed = set(re.findall(r":\s*([\w./-]+\.md)\s*$", nav, re.M))
     assert listed == pages, (pages - listed, listed - pages)
 
 
