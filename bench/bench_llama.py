@@ -479,9 +479,8 @@ def _paired(ours: list, theirs: list, key: str, their_key: str = "") -> float:
 
 def _two(ours: list, theirs: list, key: str, their_key: str, unit: float, spec: str) -> str:
     """The 2-thread cell: gdn-fx / llama.cpp (ratio)."""
-    ratio = statistics.median(a[key] / b[their_key] for a, b in zip(ours, theirs))
     return (f"{_med(ours, key) * unit:{spec}} / {_med(theirs, their_key) * unit:{spec}} "
-            f"({common.ratio(ratio)})")
+            f"({common.ratio(_paired(ours, theirs, key, their_key))})")
 
 
 def table(found: dict, files: dict) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from torch import fx
 
 from gdn_fx.errors import GdnFxError, UnsupportedProgram
+from gdn_fx.runtime.engine import nnef_text
 
 
 def _graph_of(program: Any) -> fx.Graph:
@@ -160,7 +160,7 @@ def nnef_graph(path: Union[str, Path]) -> nx.DiGraph:
     op; attributes given as ``name = value`` make the signature; tensor arguments the edges.
     """
     graph, produced_by = nx.DiGraph(), {}
-    for line in read_graph_text(path).splitlines():
+    for line in nnef_text(path).splitlines():
         found = _ASSIGN.match(line)
         if not found:
             continue
@@ -175,16 +175,6 @@ def nnef_graph(path: Union[str, Path]) -> nx.DiGraph:
             graph.add_edge(source, name, position=position)
         produced_by.update({out: name for out in outputs})
     return graph
-
-
-def read_graph_text(path: Union[str, Path]) -> str:
-    """The text of ``graph.nnef`` in an NNEF folder or tar archive."""
-    path = Path(path)
-    if path.is_dir():
-        return (path / "graph.nnef").read_text()
-    with tarfile.open(path) as archive:
-        member = next(m for m in archive.getmembers() if m.name.endswith("graph.nnef"))
-        return archive.extractfile(member).read().decode()
 
 
 def _strip_attributes(args: str) -> str:
