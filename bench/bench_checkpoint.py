@@ -14,8 +14,9 @@ processes run with glibc as users have it (not common.py's timing pin: memory is
     .venv/bin/python bench/bench_checkpoint.py --shapes 4b --formats q4_0
     .venv/bin/python bench/bench_checkpoint.py --workdir W --reuse ...  # keep W's folders
 
-Formats: f32 (the model in f32), f16 (the model in f16), q4_0 (f32 model, matmul weights as
-tract's Q4_0 blocks; embedding tables and 3-D expert stacks stay f32).
+Formats: f32 (the model in f32), f16 (the model in f16: ``--dtype f16``), f16w (f32 model,
+weights stored f16: ``--weights f16``, f16 operands in the matrix products), q4_0 (f32 model,
+matmul weights and embedding tables as tract's Q4_0 blocks; 3-D expert stacks stay f32).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ SHAPES = {
                                 layer_types=[LIN, FULL], tie_word_embeddings=False)),
 }
 # format -> (export_checkpoint's dtype=, weights=)
-FORMATS = {"f32": ("f32", "f32"), "f16": ("f16", "f32"), "q4_0": ("f32", "q4_0")}
+FORMATS = {"f32": ("f32", "f32"), "f16": ("f16", "f32"), "f16w": ("f32", "f16"),
+           "q4_0": ("f32", "q4_0")}
 
 
 # --- what each subprocess runs ------------------------------------------------------------

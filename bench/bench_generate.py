@@ -34,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import peer  # noqa: E402
+from tract_run import DECODE_STEPS, PREFILL, run_tract  # noqa: E402,F401 (children run it)
 from common import FULL, LIN, QUICK, SHAPE, child as _child, vm_rss  # noqa: E402
 
-PAST, PREFILL, DECODE_STEPS = 512, 512, 8
+PAST = 512  # decode depth: the decode steps follow a prefill of PREFILL = PAST tokens
 PEER = "torch-to-nnef-llm 0.24.12 artifact in tract (f32)"
 
 
@@ -55,38 +56,6 @@ def build(shape: dict, dtype: str = "float32"):
 
 
 # --- what each subprocess runs ------------------------------------------------------------
-
-def run_tract(main: str, decode: str) -> dict:
-    """Load the artifact, prefill PREFILL tokens (in the Generator's automatic chunks, and in
-    one call), decode DECODE_STEPS after PAST tokens."""
-    import numpy as np
-
-    from gdn_fx.hf.generator import Generator
-
-    base, start = vm_rss(), time.perf_counter()  # base: Python, torch and tract imported
-    gen = Generator(main, decode or None)
-    load = time.perf_counter() - start
-    rss_load = vm_rss() - base
-    ids = np.arange(3, 3 + PREFILL, dtype=np.int64)[None] % 1000 + 3
-    chunk = gen.prefill_chunk
-    timed = {}
-    for name, size in (("prefill_whole", None), ("prefill", chunk)):
-        gen.prefill_chunk = size
-        runs = []
-        for _ in range(2):
-            start = time.perf_counter()
-            logits, caches = gen.prefill(ids, [z.copy() for z in gen.zero_states])
-            runs.append(time.perf_counter() - start)
-        timed[name] = min(runs)
-    steps = []
-    for _ in range(DECODE_STEPS):  # continuing from the PAST-token prefill above
-        token = np.array([[int(logits[0].argmax())]], dtype=np.int64)
-        start = time.perf_counter()
-        logits, caches = gen.step(gen.decode, token, caches)
-        steps.append(time.perf_counter() - start)
-    return dict(load=load, rss_load=rss_load, decode=statistics.median(steps[1:]),
-                chunk=chunk, **timed)
-
 
 def run_torch(shape: dict) -> dict:
     import torch

@@ -9,13 +9,15 @@ a small greedy program of this script's own (GREEDY_CPP) against llama.cpp's C A
 One checkpoint folder (bench_checkpoint.write_checkpoint: bf16, random weights, in a child)
 with a byte-level BPE tokenizer trained offline (gdn_fx.demo_text.demo_tokenizer, 512 ids, GPT-2
 split rule), then per format:
-- gdn-fx: ``export_checkpoint`` (bench_checkpoint.export: f32, f16, q4_0 = f32 model with
-  Q4_0 matmul weights and embedding table, one table for a tied head), measured by bench_generate.run_tract in a fresh
-  ONE-thread Python process: load, prefill of 512 tokens in the Generator's automatic chunks,
-  decode ms/token after those 512, the process's peak RSS (Python and torch imported, glibc
-  as users have it);
-- llama.cpp: convert_hf_to_gguf.py (--outtype f32 / f16), Q4_0 by ``llama-quantize`` from the
-  f32 GGUF (llama.cpp's default Q4_0 mix: the tied embedding / head table gets a larger type;
+- gdn-fx: ``export_checkpoint`` (bench_checkpoint.export: f32, f16 = the model in f16
+  (``--dtype f16``), f16w = f32 model with f16 weights (``--weights f16``: f16 operands in
+  the products, as llama.cpp's f16), q4_0 = f32 model with Q4_0 matmul weights and embedding
+  table, one table for a tied head), measured by tract_run.run_tract in a fresh
+  ONE-thread Python process that imports the torch-free runtime only, as a deployment does:
+  load, prefill of 512 tokens in the Generator's automatic chunks, decode ms/token after
+  those 512, the process's peak RSS (Python, numpy and tract; glibc as users have it);
+- llama.cpp: convert_hf_to_gguf.py (--outtype f32 / f16; f16w runs the f16 GGUF), Q4_0 by
+  ``llama-quantize`` from the f32 GGUF (llama.cpp's default Q4_0 mix: the tied embedding / head table gets a larger type;
   ``--pure``: every matmul weight Q4_0); ``llama-bench`` at 1 and 2 threads (pp512 from an
   empty cache; tg at depth 512, the 512 tokens of depth not timed); load seconds and peak RSS
   (VmHWM; the GGUF is mmapped, its touched pages count) of the greedy program prefilling the
@@ -63,7 +65,8 @@ import common  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
 SHAPES = {"quick": "quick", "0.8b": "0.8b"}  # bench_checkpoint.SHAPES names
-FORMATS = ("f32", "f16", "q4_0")
+FORMATS = ("f32", "f16", "f16w", "q4_0")
+GGUF_FORMAT = {"f16w": "f16"}  # llama.cpp's file for a gdn-fx format (f16w: f16 weights)
 PROMPT = "The keeper of the north light"
 NEW_TOKENS = 64
 PAST = 512  # prefill length and decode depth, as bench_generate
@@ -324,17 +327,13 @@ def torch_tokens(folder: str, ids: str, new: int, artifact: str = "") -> dict:
     return dict(tokens=tokens)
 
 
-def tract_tokens(main: str, ids: str, new: int) -> dict:
-    """gdn-fx's greedy tokens in tract (Generator.generate: argmax, no EOS stop)."""
-    from gdn_fx.hf.generator import Generator
-
-    return dict(tokens=Generator(main).generate(json.loads(ids), int(new)).tokens)
-
-
 def _child(kind: str, *args, pinned: bool = True, threads: int = 1) -> dict:
-    module = {"run_tract": "bench_generate", "write_checkpoint": "bench_checkpoint",
-              "export": "bench_checkpoint"}.get(kind, "bench_llama")
-    return common.child(kind, *map(str, args), module=module, pinned=pinned, threads=threads)
+    """``kind`` in a fresh process; gdn-fx's runs (tract_run) without torch, as deployed."""
+    module = {"run_tract": "tract_run", "tract_tokens": "tract_run",
+              "write_checkpoint": "bench_checkpoint", "export": "bench_checkpoint"
+              }.get(kind, "bench_llama")
+    return common.child(kind, *map(str, args), module=module, pinned=pinned, threads=threads,
+                        torch=module != "tract_run")
 
 
 # --- llama.cpp's measurements ---------------------------------------------------------------
@@ -403,9 +402,10 @@ def prepare(args, tools: Llama, workdir: Path, say) -> tuple:
             exported = _child("export", folder, art, fmt, pinned=False)
             say(f"[{fmt}] gdn-fx export {exported['seconds']:.0f} s")
         pure = args.pure and fmt == "q4_0"
-        gguf = workdir / f"{args.shape}-{fmt}{'-pure' if pure else ''}.gguf"
-        if not (args.reuse and gguf.exists()):
-            made = gguf_file(tools, folder, gguf, fmt, pure, say)
+        theirs = GGUF_FORMAT.get(fmt, fmt)
+        gguf = workdir / f"{args.shape}-{theirs}{'-pure' if pure else ''}.gguf"
+        if not ((args.reuse or theirs != fmt) and gguf.exists()):
+            made = gguf_file(tools, folder, gguf, theirs, pure, say)
             say(f"[{fmt}] GGUF {made['seconds']:.0f} s")
         files[fmt] = (art, gguf)
     return folder, files
@@ -543,7 +543,7 @@ def main(argv=None) -> None:
         "llama.cpp beside gdn-fx on one checkpoint folder",
         f"shape {args.shape} (bench_checkpoint's, bf16 checkpoint, random weights, demo BPE "
         f"tokenizer), llama.cpp of llama-cpp-python {LLAMA_CPP_PYTHON}'s sdist"
-        f"{' (Q4_0 --pure)' if args.pure else ''}; gdn-fx: bench_generate.run_tract, one "
+        f"{' (Q4_0 --pure)' if args.pure else ''}; gdn-fx: tract_run.run_tract (no torch), one "
         f"thread, prefill in the Generator's chunks; llama.cpp: llama-bench -r {args.reps} "
         f"(pp{PAST}; tg16 at depth {PAST}), load / RSS of the greedy program ({PAST} ids + 8 "
         f"tokens, 1 thread); {rounds} round(s), medians, ratio = gdn-fx / llama.cpp"))

@@ -450,30 +450,17 @@ SHAPE = dict(vocab_size=248320, hidden_size=1024, num_attention_heads=8, num_key
 QUICK = dict(SHAPE, vocab_size=32000, num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL])
 
 
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes (VmHWM: unlike getrusage's ru_maxrss,
-    which Linux carries across execve, it starts afresh with the process's own image)."""
-    return _status("VmHWM:")
-
-
-def vm_rss() -> int:
-    """This process's resident memory now, in bytes (VmRSS)."""
-    return _status("VmRSS:")
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    return 0
+from tract_run import peak_rss, vm_rss  # noqa: E402,F401 (torch-free children use them)
 
 
 def child(kind: str, *args: str, module: str = "bench_generate", pinned: bool = True,
-          site: Optional[Path] = None, threads: int = 1) -> dict:
+          site: Optional[Path] = None, threads: int = 1, torch: bool = True) -> dict:
     """Run one engine (``module``'s function ``kind``) in a fresh process of ``threads``
     threads (one by default); its figures and peak RSS (``pinned=False``: glibc as users have
     it, see ALLOCATOR). ``site``: a folder whose gdn_fx is imported instead of this tree's
-    (another revision's, installed there by ``install_revision``)."""
+    (another revision's, installed there by ``install_revision``). ``torch=False``: a process
+    that imports neither torch nor this module (``module`` must not either: tract_run), as a
+    deployment of the torch-free runtime runs."""
     count = str(threads)
     env = dict(os.environ, OMP_NUM_THREADS=count, MKL_NUM_THREADS=count,
                TRACT_NUM_THREADS=count, RAYON_NUM_THREADS=count)  # tract's binary reads rayon's
@@ -481,12 +468,13 @@ def child(kind: str, *args: str, module: str = "bench_generate", pinned: bool = 
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     if not pinned:
         env[UNPINNED] = "1"
-    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            "import torch; torch.set_num_threads(1); "
-            f"import common, {module} as m; "
+    setup = "import torch; torch.set_num_threads(1); import common as c; " if torch else \
+        "import tract_run as c; "
+    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); {setup}"
+            f"import {module} as m; "
             f"r = m.{kind}(*{list(args)!r}); "
             "r = r if isinstance(r, dict) else {'value': r}; "
-            "r['peak_rss'] = common.peak_rss(); "
+            "r['peak_rss'] = c.peak_rss(); "
             "print('RESULT', json.dumps(r))")
     # python -c puts its folder first on sys.path: from the repository root that is this
     # tree's gdn_fx, whatever PYTHONPATH says
