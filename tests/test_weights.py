@@ -152,6 +152,28 @@ def test_f16_products_read_the_weights_as_stored(exported):
     assert "model.model.embed_tokens.weight" not in cast
 
 
+def test_f16_tied_head_multiplies_its_own_transposed_table(tmp_path):
+    """A tied head stored f16 keeps the transposed product (t2n/fixes.tied_linears_as_matmuls):
+    a ``linear`` on the table the gather also reads made tract re-pack the table on every
+    call (quick shape: 67.7 ms a decode step against 15.4). It still computes the f16
+    product of the table, rounded activations and all."""
+    model = tiny_model("qwen3_5", tie_word_embeddings=True)
+    step = DecodeStep(model)
+    args = step.example_inputs(seq_len=1)
+    program = gdn_fx.collapse(torch.export.export(step, args)).program
+    path = gdn_fx.export_nnef(program, tmp_path / "tied.nnef.tgz", weights="f16",
+                              input_names=step.input_names, output_names=step.output_names)
+    text = tract_check.nnef_text(path)
+    table = re.search(r"(\w+) = variable<scalar>\(label = 'model\.(lm_head|model\.embed_tokens)"
+                      r"\.weight'", text).group(1)
+    assert f"tract_core_gather({table}," in text
+    assert re.search(rf"= transpose\({table}, axes = \[1, 0\]\)", text)
+    assert not re.search(rf"= linear\(\w+, {table}\b", text)
+    rounded = {f"model.{n}": p.detach().half().float() for n, p in model.named_parameters()}
+    as_computed = DecodeStep(_round_linear_inputs(_twin(model, rounded))).eager(*args)
+    assert _max_error(path, as_computed, args) <= AS_STORED
+
+
 def test_f16_products_keep_the_bias_and_the_transposed_spelling_in_f32(tmp_path):
     """``linear(x, W, b)`` and ``x @ W.t()`` in an f16 export: the product of f16(x) and
     f16(W) summed in f32, then the f16 bias added in f32; computed here with numpy in

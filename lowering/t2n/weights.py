@@ -203,22 +203,19 @@ def _as_f16(module: fx.GraphModule, report: WeightReport) -> None:
 
 
 def _f16_products(graph: fx.Graph, weight: fx.Node, reader: fx.Node) -> int:
-    """Each product ``reader`` makes of the f16 ``weight`` (``linear(x, W, b)``, or
-    ``matmul(x, t(W))``) as ``to(linear(to(x, f16), W), dtype) + b``: f16 operands, the
-    result (and the bias) in the dtype the product had."""
-    products = [reader]
-    if reader.target is not aten.linear.default:  # a transpose read by products only
-        products = list(reader.users)
-        for product in products:
-            product.target, product.args = aten.linear.default, (product.args[0], weight)
-        graph.erase_node(reader)
+    """Each product ``reader`` makes of the f16 ``weight`` with f16 operands: ``linear(x, W,
+    b)`` as ``to(linear(to(x, f16), W), dtype) + b``, ``matmul(x, t(W))`` as
+    ``to(matmul(to(x, f16), t(W)), dtype)``: the result (and the bias) in the dtype the
+    product had. The transpose stays: it gives a tied head its own packed constant
+    (fixes.tied_linears_as_matmuls)."""
+    products = [reader] if reader.target is aten.linear.default else list(reader.users)
     for product in products:
         x, bias = product.args[0], (product.args[2] if len(product.args) > 2 else None)
         result = product.meta.get("val")
         with graph.inserting_before(product):
             x16 = graph.call_function(aten.to.dtype, (x, torch.float16))  # aten::to for jit
         x16.meta["val"] = _as_dtype(x.meta.get("val"), torch.float16)
-        product.args = (x16, weight)
+        product.args = (x16, product.args[1])
         with graph.inserting_after(product):
             back = graph.call_function(aten.to.dtype, (product, result.dtype))
         out = back
@@ -229,6 +226,8 @@ def _f16_products(graph: fx.Graph, weight: fx.Node, reader: fx.Node) -> int:
         back.meta["val"] = result
         product.meta["val"] = _as_dtype(result, torch.float16)
         product.replace_all_uses_with(out, delete_user_cb=lambda user: user is not back)
+    if reader is not products[0]:  # the transpose: f16 now, as the weight it reads
+        reader.meta["val"] = _as_dtype(reader.meta.get("val"), torch.float16)
     return len(products)
 
 
