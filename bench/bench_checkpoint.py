@@ -15,7 +15,7 @@ processes run with glibc as users have it (not common.py's timing pin: memory is
     .venv/bin/python bench/bench_checkpoint.py --workdir W --reuse ...  # keep W's folders
 
 Formats: f32 (the model in f32), f16 (the model in f16: ``--dtype f16``), f16w (f32 model,
-weights stored f16: ``--weights f16``, f16 operands in the matrix products), q4_0 (f32 model,
+weights stored f16: ``--weights f16``, f32 arithmetic), q4_0 (f32 model,
 matmul weights and embedding tables as tract's Q4_0 blocks; 3-D expert stacks stay f32).
 """
 

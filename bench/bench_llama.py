@@ -10,18 +10,20 @@ One checkpoint folder (bench_checkpoint.write_checkpoint: bf16, random weights, 
 with a byte-level BPE tokenizer trained offline (gdn_fx.demo_text.demo_tokenizer, 512 ids, GPT-2
 split rule), then per format:
 - gdn-fx: ``export_checkpoint`` (bench_checkpoint.export: f32, f16 = the model in f16
-  (``--dtype f16``), f16w = f32 model with f16 weights (``--weights f16``: f16 operands in
-  the products, as llama.cpp's f16), q4_0 = f32 model with Q4_0 matmul weights and embedding
-  table, one table for a tied head), measured by tract_run.run_tract in a fresh
-  ONE-thread Python process that imports the torch-free runtime only, as a deployment does:
-  load, prefill of 512 tokens in the Generator's automatic chunks, decode ms/token after
-  those 512, the process's peak RSS (Python, numpy and tract; glibc as users have it);
+  (``--dtype f16``), f16w = f32 model with f16 weights (``--weights f16``: f32 activations;
+  llama.cpp's f16 rounds its activations to f16 in each product), q4_0 = f32 model with
+  Q4_0 matmul weights and embedding table, one table for a tied head), measured by
+  tract_run.run_tract in a fresh ONE-thread Python process that imports the torch-free
+  runtime only, as a deployment does: load, prefill of 512 tokens in the Generator's
+  automatic chunks, decode ms/token after those 512, the process's peak RSS (Python, numpy
+  and tract; glibc as users have it);
 - llama.cpp: convert_hf_to_gguf.py (--outtype f32 / f16; f16w runs the f16 GGUF), Q4_0 by
-  ``llama-quantize`` from the f32 GGUF (llama.cpp's default Q4_0 mix: the tied embedding / head table gets a larger type;
-  ``--pure``: every matmul weight Q4_0); ``llama-bench`` at 1 and 2 threads (pp512 from an
-  empty cache; tg at depth 512, the 512 tokens of depth not timed); load seconds and peak RSS
-  (VmHWM; the GGUF is mmapped, its touched pages count) of the greedy program prefilling the
-  same 512 ids as run_tract and decoding 8 tokens, one thread.
+  ``llama-quantize`` from the f32 GGUF (llama.cpp's default Q4_0 mix: the tied embedding /
+  head table gets a larger type; ``--pure``: every matmul weight Q4_0); ``llama-bench`` at 1
+  and 2 threads (pp512 from an empty cache; tg at depth 512, the 512 tokens of depth not
+  timed); load seconds and peak RSS (VmHWM; the GGUF is mmapped, its touched pages count) of
+  the greedy program prefilling the same 512 ids as run_tract and decoding 8 tokens, one
+  thread.
 - gdn-fx on 2 threads: the same artifacts, run_tract with 2 threads (tract 0.23.9's matmuls
   take one whatever the setting: the column shows what a second core gives one sequence).
 Engines alternate in ``--rounds`` rounds (the starting engine rotates), so a slow spell hits

@@ -126,10 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --seq-len: symbolic sequence axis (checked at S=3 and 50)")
     export.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32")
     export.add_argument("--weights", choices=("f32", "f16", "q4_0"), default="f32",
-                        help="how the NNEF stores the weights (f16: half size, products "
-                        "with f16 operands as llama.cpp's f16; q4_0: tract's 4-bit blocks for "
-                        "matmul weights); --check then compares with transformers on the "
-                        "stored weights")
+                        help="how the NNEF stores the weights (f16: half size; q4_0: tract's "
+                        "4-bit blocks for matmul weights); --check then compares with "
+                        "transformers on the stored weights")
     export.add_argument("--runtime", choices=("cpu", "cuda"), default="cpu",
                         help="the tract runtime the NNEF is lowered for (the lowering table's "
                         "order and device checks follow it); not with --generalize, --stream")

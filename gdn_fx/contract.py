@@ -3,7 +3,7 @@ stamp these names into graph.nnef, the runtime reads them back.
 
 - tract properties (``extension tract_property``): the export's fingerprint, the vocabulary,
   the decode graph's file name, the runtime it was lowered for, the most tokens one call
-  may take, how the weights are stored;
+  may take;
 - input declarations (``tract_core_external``): name, dims (ints or symbols), datum type;
 - the attention caches, whose past axis is the symbol P in a generation-ready export.
 """
@@ -20,9 +20,6 @@ DECODE = "gdn_fx_decode"  # tract property of a main graph: its decode graph's f
 # tract property: the most tokens one call may take (set where a candidate computes a fixed
 # window, lowering/plan.max_tokens; the generator cuts prompts to it)
 MAX_TOKENS = "gdn_fx_max_tokens"
-WEIGHTS = "gdn_fx_weights"  # tract property: how the weights are stored (lowering/t2n/weights)
-# ... whose words for matrix products made with f16 operands (activations rounded to f16)
-F16_PRODUCTS = "f16 products"
 
 RUNTIMES = ("cpu", "cuda")  # the tract runtimes gdn-fx lowers for and runs on
 

@@ -61,10 +61,8 @@ def export_nnef(program, path: Union[str, Path], *,
         that does not accept its node raises LoweringUnsupported.
     weights: how the program's parameters are stored (gdn_fx.lowering.t2n.weights):
         ``"f32"`` (the default) as the program holds them; ``"f16"``: every floating-point
-        parameter stored in f16 (half the file), each matrix product of a stored weight made
-        with f16 operands as llama.cpp's f16 models do (activations rounded to f16, sums in
-        f32, the result in the program's dtype), other readers cast it back; ``"q4_0"``:
-        every 2-D weight of a matrix product
+        parameter stored in f16 and cast back to its dtype where it is read (half the file;
+        the arithmetic stays in the program's dtype on the weights rounded to f16 once); ``"q4_0"``: every 2-D weight of a matrix product
         over its last axis (``linear``, ``x @ W.t()``, a tied lm_head with its embedding)
         whose last axis is a multiple of 32 in tract's Q4_0 (blocks of 32 weights with one
         f16 scale, min-max calibrated: 18 bytes per 32 weights, 9/64 of f32; tract multiplies

@@ -396,11 +396,9 @@ def _lower(job: Job, step, program, report: Report, say: Callable, dynamic=None,
     bound = 1e-3 if job.dtype == "f16" else None
     if job.weights != "f32":  # against the model holding the weights as the NNEF stores them
         from gdn_fx.hf import DecodeStep
-        from gdn_fx.hf.generator import F16_PRODUCTS_BOUND, with_stored_weights
+        from gdn_fx.hf.generator import with_stored_weights
 
         step = DecodeStep(with_stored_weights(step.model, path), rule=step.rule)
-        if getattr(step.model, "rounds_f16_products", False):  # --weights f16
-            bound = F16_PRODUCTS_BOUND
     runtime, report.checked_on = _check_runtime(job.runtime)
     with _timed(report, "tract", say, f"tract ({runtime}): load, optimize, run, compare with "
                 "eager"):

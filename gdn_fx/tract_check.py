@@ -26,10 +26,9 @@ import torch
 
 from gdn_fx.errors import DTypeError, ShapeError
 # the engine's side, torch-free (gdn_fx.runtime.engine), kept importable from here
-from gdn_fx.runtime.engine import (ERROR_LIMIT, error_text, has_f16_products,  # noqa: F401
-                                   load, nnef_text, read_cpu_fallbacks, read_decisions,
-                                   read_max_tokens, read_runtime, read_weights,
-                                   release_freed_memory, runtime_unavailable)
+from gdn_fx.runtime.engine import (ERROR_LIMIT, error_text, load, nnef_text,  # noqa: F401
+                                   read_cpu_fallbacks, read_decisions, read_max_tokens,
+                                   read_runtime, release_freed_memory, runtime_unavailable)
 
 TOLERANCE = {torch.float16: 1e-3, torch.float32: 1e-4, torch.float64: 1e-4}
 

@@ -18,19 +18,6 @@ from gdn_fx.runtime.generator import GenerationResult
 # Logits of a whole generation against transformers: f16 models accumulate f16 rounding over
 # the steps (tract and torch round differently), so their bound is wider.
 LOGITS_BOUND = {torch.float32: 1e-4, torch.float16: 1e-2}
-# ... of an export whose products take f16 operands (``--weights f16``), against transformers
-# rounding the same operands (gdn_fx.hf.generator.round_f16_products): two f32 computations
-# of one activation that differ in the last bits can round to neighbouring f16 values, 2^-10
-# apart, so the logits differ by up to about an f16 ulp (4.2e-4 measured, tiny qwen3_5,
-# prefill through another rule than transformers' chunked one); twice 2^-10.
-F16_PRODUCTS_BOUND = 2e-3
-
-
-def logits_bound(model: nn.Module) -> float:
-    """The default bound of :func:`check_generation` against ``model``."""
-    if getattr(model, "rounds_f16_products", False):
-        return F16_PRODUCTS_BOUND
-    return LOGITS_BOUND.get(model_dtype(model), 1e-4)
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
@@ -99,10 +86,10 @@ def check_generation(model: nn.Module, result: GenerationResult,
                      bound: Optional[float] = None) -> GenerationCheck:
     """Run transformers' own greedy ``generate`` from ``result.prompt`` and compare every
     token and every step's logits (raw, before any logits processor) within ``bound``
-    (default: :func:`logits_bound`: LOGITS_BOUND for the model's dtype). Steps whose last position is a router
+    (default: LOGITS_BOUND for the model's dtype). Steps whose last position is a router
     near-tie (:func:`router_near_ties` within ``bound``) are compared by token only, and
     said in the check; every step counts when more than half of them would be left out."""
-    bound = bound if bound is not None else logits_bound(model)
+    bound = bound if bound is not None else LOGITS_BOUND.get(model_dtype(model), 1e-4)
     prompt = torch.tensor([result.prompt])
     with torch.no_grad():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt),

@@ -57,9 +57,8 @@ from gdn_fx.hf.nnef import (DECODE, FINGERPRINT, VOCAB, GeneratorFiles,  # noqa:
                             vocabulary_size, write_graph)
 # Running and checking it: gdn_fx.runtime (tract and numpy only) and generation_check; the
 # names stay importable from here, the path earlier releases documented.
-from gdn_fx.hf.generation_check import (F16_PRODUCTS_BOUND, LOGITS_BOUND,  # noqa: F401
-                                        GenerationCheck, check_generation, model_dtype,
-                                        router_near_ties)
+from gdn_fx.hf.generation_check import (LOGITS_BOUND, GenerationCheck,  # noqa: F401
+                                        check_generation, model_dtype, router_near_ties)
 from gdn_fx.runtime.artifact import (DATUM, EXTERNAL, KV_IN_STATE, PAST_INPUT,  # noqa: F401
                                      WRITES_ONE, LoadedGraph, UnverifiedPair, check_bounds,
                                      check_pair, decode_path, generation_problem, load_graph,
@@ -213,16 +212,14 @@ def decode_problem(path: Path, main: Path, step: DecodeStep, weights: str = "f32
 def _reference(step: DecodeStep, main: Path, weights: str) -> Callable:
     """``args -> (want, bounds)`` that the decode graph is checked against, per model kind:
     - compressed weights: the main graph's outputs in tract (neither matches the f32 model to
-      1e-4; the decode graph must compute what the graph it replaces computes), f16 products
-      within F16_PRODUCTS_BOUND (rounding to f16 parts neighbours that differ in f32 bits);
+      1e-4; the decode graph must compute what the graph it replaces computes);
     - an f16 model: ``f16_reference``;
     - otherwise: eager, at the dtype's own tolerance."""
     from gdn_fx import tract_check
 
     if weights != "f32":
         graph = tract_check.load(main)
-        bound = F16_PRODUCTS_BOUND if tract_check.has_f16_products(main) else None
-        return lambda args: ([torch.from_numpy(x) for x in tract_check.run(graph, args)], bound)
+        return lambda args: ([torch.from_numpy(x) for x in tract_check.run(graph, args)], None)
     if model_dtype(step.model) == torch.float16:
         graph, twin = tract_check.load(main), f32_twin(step)
         return lambda args: f16_reference(graph, twin, args)
@@ -298,41 +295,7 @@ def with_stored_weights(model: nn.Module, path: Union[str, Path],
             else:
                 param.copy_(torch.from_numpy(values))
             del values  # one stored weight in memory at a time
-    if tract_check.has_f16_products(path):
-        round_f16_products(twin)
     return twin
-
-
-class F16Products(torch.overrides.TorchFunctionMode):
-    """``F.linear(x, W)`` on a parameter ``W`` (not f64) with ``x`` rounded to f16: a matrix
-    product of an export whose weights are stored f16 (lowering/t2n/weights.py). W holds
-    f16 values, so each product is exact in f32 and only the f32 sums' order differs."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and len(args) > 1 and \
-                isinstance(args[1], nn.Parameter) and args[1].dtype != torch.float64:
-            x = args[0]
-            args = (x.to(torch.float16).to(x.dtype),) + tuple(args[1:])
-        return func(*args, **kwargs)
-
-
-def round_f16_products(model: nn.Module) -> None:
-    """Make every call of ``model`` compute its products as :class:`F16Products` does (a
-    pair of hooks on ``model``: the mode is entered for the call and left after it); its
-    checks then take F16_PRODUCTS_BOUND (generation_check.logits_bound)."""
-    modes = []
-    model.rounds_f16_products = True
-
-    def enter(module, args, kwargs):
-        modes.append(F16Products())
-        modes[-1].__enter__()
-
-    def leave(module, args, kwargs, output):
-        modes.pop().__exit__(None, None, None)
-
-    model.register_forward_pre_hook(enter, with_kwargs=True)
-    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
 def replace_parameter(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:

@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from gdn_fx.errors import MissingFile, RuntimeUnavailable
-from gdn_fx.contract import F16_PRODUCTS, MAX_TOKENS, WEIGHTS, check_runtime
+from gdn_fx.contract import MAX_TOKENS, check_runtime
 from gdn_fx.memory import release_freed_memory
 
 _DECISIONS = re.compile(r'\(\s*"gdn_fx_lowering"\s*,\s*"([^"]*)"\s*\)')
 _RUNTIME = re.compile(r'\(\s*"gdn_fx_runtime"\s*,\s*"([^"]*)"\s*\)')
 _FALLBACKS = re.compile(r'\(\s*"gdn_fx_cpu_fallback"\s*,\s*"([^"]*)"\s*\)')
-_WEIGHTS = re.compile(r'\(\s*"' + WEIGHTS + r'"\s*,\s*"([^"]*)"\s*\)')
 _MAX_TOKENS = re.compile(r'\(\s*"' + MAX_TOKENS + r'"\s*,\s*"(\d+)"\s*\)')
 
 
@@ -147,19 +146,6 @@ def read_max_tokens(path: Union[str, Path]) -> Optional[int]:
     (recorded by ``gdn_fx.export_nnef``; None: any number)."""
     match = _MAX_TOKENS.search(nnef_text(path))
     return int(match.group(1)) if match else None
-
-
-def read_weights(path: Union[str, Path]) -> str:
-    """How an export stores its weights, as ``gdn_fx.export_nnef`` recorded it (e.g.
-    "f16: 40 converted, 0 kept, 36 f16 products"); "f32" where nothing was recorded."""
-    match = _WEIGHTS.search(nnef_text(path))
-    return match.group(1) if match else "f32"
-
-
-def has_f16_products(path: Union[str, Path]) -> bool:
-    """Whether an export's matrix products of stored f16 weights take their activations
-    rounded to f16 (``--weights f16`` since that spelling; f32 arithmetic before it)."""
-    return F16_PRODUCTS in read_weights(path)
 
 
 def read_decisions(path: Union[str, Path]) -> dict[str, str]:

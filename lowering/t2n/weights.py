@@ -3,17 +3,14 @@
 (``gdn_fx.lowering.write_nnef``); the caller's program is never modified.
 
 - ``f32``: every parameter written in its own dtype (the default; nothing changes).
-- ``f16``: every floating-point parameter not already in f16 is stored as f16. Each matrix
-  product of a stored weight (``linear(x, W)``, ``x @ W.t()``) runs in f16 operands the way
-  llama.cpp's f16 models do: its activations rounded to f16, the products accumulated in f32,
-  the result in the program's dtype (a bias is added there). tract then multiplies with the
-  f16 weights as stored, half the bytes of f32 per decoded token; f16 activations beside f32
-  weights make tract pack a weight into f32 at load instead (the memory and speed of f32;
-  docs/facts/tract.md, "f16 weights"). tract does NOT fold a cast of a variable at load: it
-  runs on every call (a 1024x4096 MLP at S = 1: 35-46 ms cast, 0.8 ms as stored), so an
-  embedding gathers its rows from the f16 table and casts the rows, and only the other
-  readers (norms, biases, filters: small) read a cast of the whole weight. An activation
-  beyond f16's range (|x| > 65504) becomes infinite in a product, as in llama.cpp.
+- ``f16``: every floating-point parameter not already in f16 is stored as f16; the
+  arithmetic is the program's dtype on the weights rounded to f16 once. tract does NOT fold a
+  cast of a variable at load: it runs on every call, and a matmul fed by it re-packs its
+  weight every call (a 1024x4096 MLP at S = 1: 35-46 ms cast, 0.8 ms as stored; docs/FACTS.md).
+  So each reader is routed: ``linear`` gets the weight as stored (``copy`` of the variable;
+  tract multiplies f32 activations with f16 weights, packed once at load, bit for bit the
+  f32 product of the rounded weights), an embedding gathers its rows from the f16 table
+  and casts the rows, and the other readers (norms, biases, filters: small) a cast.
 - ``q4_0``: every 2-D floating-point parameter that the program reads only as the weight of a
   matrix product over its last axis (``linear(x, W)``, ``matmul(x, W.t())``) or as a table
   an embedding gathers rows from (a tied lm_head is both: one Q4_0 table serves the two),
@@ -36,7 +33,6 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from gdn_fx.contract import F16_PRODUCTS
 from gdn_fx.errors import UsageError
 from gdn_fx.lowering.options import Q4_GROUP, check_format
 from gdn_fx.lowering.t2n.placeholders import active as active_placeholders
@@ -55,13 +51,10 @@ class WeightReport:
     weights: str
     converted: list = field(default_factory=list)  # parameter names
     kept: dict = field(default_factory=dict)  # parameter name -> why it was left as it is
-    products: int = 0  # matrix products made with f16 operands (f16)
 
     def summary(self) -> str:
-        """One line for the NNEF's properties and logs (``gdn_fx.runtime.engine.
-        read_weights`` reads it back; ``F16_PRODUCTS`` marks f16 operands)."""
-        products = f", {self.products} {F16_PRODUCTS}" if self.products else ""
-        return f"{self.weights}: {len(self.converted)} converted, {len(self.kept)} kept{products}"
+        """One line for the NNEF's properties and logs."""
+        return f"{self.weights}: {len(self.converted)} converted, {len(self.kept)} kept"
 
 
 
@@ -140,14 +133,43 @@ def _register_handler() -> None:
         return []
 
 
+# A weight only matrix products read: stored f16 and handed to tract's matmul as it is.
+MATMUL_WEIGHT = "gdn_fx_matmul_weight"
+
+
+@torch.library.custom_op(f"t2n_extra::{MATMUL_WEIGHT}", mutates_args=())
+def matmul_weight(weight: torch.Tensor, anchor: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` (f16 as stored) as the program's matmul reads it: cast to ``dtype`` in
+    torch; in the NNEF the stored variable itself (tract's matmul takes it so)."""
+    return weight.to(dtype)
+
+
+@matmul_weight.register_fake
+def _(weight, anchor, dtype):
+    return torch.empty_like(weight, dtype=dtype)
+
+
+def _register_matmul_handler() -> None:
+    from torch_to_nnef.op.extras import register
+
+    @register(MATMUL_WEIGHT)
+    def gdn_fx_matmul_weight(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
+        """``t2n_extra::gdn_fx_matmul_weight`` -> ``copy`` of the f16 variable (no cast)."""
+        weight = op_helper.get_or_add_tensor_variable_in_nnef(node.inputs[0])
+        op_helper.add_single_output_op_from_nnef_tensors(
+            node, "copy", inputs=weight, attrs={}, maybe_cast_align_tract=False)
+        return []
+
+
 _register_handler()
+_register_matmul_handler()
 
 
 def _reader_kind(node: fx.Node, user: fx.Node) -> str:
     """How ``user`` reads the f16-stored ``node``: "matmul" (the weight of ``linear``, or its
-    transpose read by matrix products only: an f16 product, :func:`_f16_products`), "gather"
-    (rows of an embedding table: gathered in f16, the rows cast), or "cast" (anything else:
-    the whole weight cast back where read)."""
+    transpose read by matrix products only: tract takes it as stored), "gather" (rows of an embedding table: gathered in f16, the rows
+    cast), or "cast" (anything else: the whole weight cast back where read)."""
     if user.target is aten.linear.default and user.args[1] is node and user.args[0] is not node:
         return "matmul"
     if user.target in _TRANSPOSES and _is_reduction_transpose(user) and user.users and all(
@@ -184,55 +206,21 @@ def _as_f16(module: fx.GraphModule, report: WeightReport) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
         users = sorted(node.users, key=order.__getitem__)
         kinds = {user: _reader_kind(node, user) for user in users}
-        casts = [u for u in users if kinds[u] == "cast"]
-        if casts:
-            with graph.inserting_before(casts[0]):  # after the anchor input, too
-                weight = graph.call_function(torch.ops.t2n_extra.gdn_fx_stored_weight.default,
-                                             (node, anchor, param.dtype))
-            weight.meta["val"] = read
-            for reader in casts:
-                reader.replace_input_with(node, weight)
-        for reader in (u for u in users if kinds[u] == "matmul"):
-            report.products += _f16_products(graph, node, reader)
+        for op, kind in ((torch.ops.t2n_extra.gdn_fx_matmul_weight.default, "matmul"),
+                         (torch.ops.t2n_extra.gdn_fx_stored_weight.default, "cast")):
+            readers = [u for u in users if kinds[u] == kind]
+            if readers:
+                with graph.inserting_before(readers[0]):  # after the anchor input, too
+                    weight = graph.call_function(op, (node, anchor, param.dtype))
+                weight.meta["val"] = read
+                for reader in readers:
+                    reader.replace_input_with(node, weight)
         for reader in (u for u in users if kinds[u] == "gather"):
             _cast_rows(graph, reader, param.dtype)
         report.converted.append(node.target)
     if report.converted:
         graph.lint()
         module.recompile()
-
-
-def _f16_products(graph: fx.Graph, weight: fx.Node, reader: fx.Node) -> int:
-    """Each product ``reader`` makes of the f16 ``weight`` with f16 operands: ``linear(x, W,
-    b)`` as ``to(linear(to(x, f16), W), dtype) + b``, ``matmul(x, t(W))`` as
-    ``to(matmul(to(x, f16), t(W)), dtype)``: the result (and the bias) in the dtype the
-    product had. The transpose stays: it gives a tied head its own packed constant
-    (fixes.tied_linears_as_matmuls)."""
-    products = [reader] if reader.target is aten.linear.default else list(reader.users)
-    for product in products:
-        x, bias = product.args[0], (product.args[2] if len(product.args) > 2 else None)
-        result = product.meta.get("val")
-        with graph.inserting_before(product):
-            x16 = graph.call_function(aten.to.dtype, (x, torch.float16))  # aten::to for jit
-        x16.meta["val"] = _as_dtype(x.meta.get("val"), torch.float16)
-        product.args = (x16, product.args[1])
-        with graph.inserting_after(product):
-            back = graph.call_function(aten.to.dtype, (product, result.dtype))
-        out = back
-        if bias is not None:
-            with graph.inserting_after(back):
-                out = graph.call_function(aten.add.Tensor, (back, bias))
-            out.meta["val"] = result
-        back.meta["val"] = result
-        product.meta["val"] = _as_dtype(result, torch.float16)
-        product.replace_all_uses_with(out, delete_user_cb=lambda user: user is not back)
-    if reader is not products[0]:  # the transpose: f16 now, as the weight it reads
-        reader.meta["val"] = _as_dtype(reader.meta.get("val"), torch.float16)
-    return len(products)
-
-
-def _as_dtype(value, dtype: torch.dtype):
-    return value.to(dtype) if isinstance(value, torch.Tensor) else value
 
 
 def _cast_rows(graph: fx.Graph, gather: fx.Node, dtype: torch.dtype) -> None:

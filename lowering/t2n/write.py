@@ -20,7 +20,6 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from gdn_fx.contract import WEIGHTS
 from gdn_fx.errors import ExportRefused, InternalError, LoweringUnsupported, UsageError
 from gdn_fx.lowering.options import ExportOptions
 from gdn_fx.lowering.plan import fallbacks, max_tokens, plan, summary
@@ -199,7 +198,7 @@ def _write(module, writer_path: Path, compression: Optional[int], target: Target
     t2n_axes = {k: v for k, v in (dynamic_axes or {}).items() if k not in skipped}
     t2n_target = offline_tract_target(target.version_text, t2n_axes,
                                       {"gdn_fx_lowering": summary(decisions),
-                                       WEIGHTS: weights,
+                                       "gdn_fx_weights": weights,
                                        RUNTIME_ATTRIBUTE: target.runtime,
                                        "gdn_fx_cpu_fallback": fallbacks(decisions),
                                        MAX_TOKENS: max_tokens(decisions)})
