@@ -86,9 +86,9 @@ def export(folder: str, out: str, fmt: str) -> dict:
 # --- the parent ---------------------------------------------------------------------------
 
 def _child(kind: str, *args: str, pinned: bool = True) -> dict:
-    """``kind`` in a fresh one-thread process (bench_generate's run_tract, else this
+    """``kind`` in a fresh one-thread process (tract_run.run_tract, else this
     module's function); its figures and peak RSS (VmHWM)."""
-    module = "bench_generate" if kind == "run_tract" else "bench_checkpoint"
+    module = "tract_run" if kind == "run_tract" else "bench_checkpoint"
     return common.child(kind, *args, module=module, pinned=pinned)
 
 

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import peer  # noqa: E402
-from tract_run import DECODE_STEPS, PREFILL, run_tract  # noqa: E402,F401 (children run it)
-from common import FULL, LIN, QUICK, SHAPE, child as _child, vm_rss  # noqa: E402
+from tract_run import DECODE_STEPS, PREFILL  # noqa: E402
+from common import FULL, LIN, QUICK, SHAPE, child as _child  # noqa: E402
 
 PAST = 512  # decode depth: the decode steps follow a prefill of PREFILL = PAST tokens
 PEER = "torch-to-nnef-llm 0.24.12 artifact in tract (f32)"
@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     for _ in range(rounds):
         for fmt, art in artifacts.items():
             measured[f"gdn-fx artifact in tract ({fmt})"].append(
-                _child("run_tract", art["main"], art["decode"]))
+                _child("run_tract", art["main"], art["decode"], module="tract_run"))
         measured["torch eager (f32)"].append(_child("run_torch", shape))
         if PEER in measured:  # prefill in the chunks the Generator used above, and whole
             chunk = measured[f"gdn-fx artifact in tract ({args.formats[0]})"][-1]["chunk"]

@@ -450,9 +450,6 @@ SHAPE = dict(vocab_size=248320, hidden_size=1024, num_attention_heads=8, num_key
 QUICK = dict(SHAPE, vocab_size=32000, num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL])
 
 
-from tract_run import peak_rss, vm_rss  # noqa: E402,F401 (torch-free children use them)
-
-
 def child(kind: str, *args: str, module: str = "bench_generate", pinned: bool = True,
           site: Optional[Path] = None, threads: int = 1, torch: bool = True) -> dict:
     """Run one engine (``module``'s function ``kind``) in a fresh process of ``threads``
@@ -468,13 +465,12 @@ def child(kind: str, *args: str, module: str = "bench_generate", pinned: bool = 
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     if not pinned:
         env[UNPINNED] = "1"
-    setup = "import torch; torch.set_num_threads(1); import common as c; " if torch else \
-        "import tract_run as c; "
+    setup = "import torch; torch.set_num_threads(1); import common; " if torch else ""
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); {setup}"
-            f"import {module} as m; "
+            f"import tract_run, {module} as m; "
             f"r = m.{kind}(*{list(args)!r}); "
             "r = r if isinstance(r, dict) else {'value': r}; "
-            "r['peak_rss'] = c.peak_rss(); "
+            "r['peak_rss'] = tract_run.peak_rss(); "
             "print('RESULT', json.dumps(r))")
     # python -c puts its folder first on sys.path: from the repository root that is this
     # tree's gdn_fx, whatever PYTHONPATH says

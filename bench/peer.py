@@ -225,7 +225,7 @@ def _split(zeros, names):
 
 
 def run_peer(path: str, chunk: str = "") -> dict:
-    """bench_generate.run_tract's measurement of the peer artifact: load, prefill, decode.
+    """tract_run.run_tract's measurement of the peer artifact: load, prefill, decode.
 
     One State kept across calls; ``load`` is tract's load, into_runnable and spawn_state;
     prefill of PREFILL tokens from empty caches, best of 2, in one call (``prefill_whole``)
