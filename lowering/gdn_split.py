@@ -89,9 +89,14 @@ def body_lines(facts: ScanFacts, suffix: str) -> list[str]:
     state again with a leading axis (the loop's per-iteration ``full`` output). Written
     without the G axis where G = 1 (tract's load time: gdn_chunked_text.flat_layout)."""
     chunk, rank = gdn_chunked.SCAN_CHUNK, text.layout_rank(facts, True)
+    # the chunks' rows of one merged axis (unrolled_loop_lines) at batch 1, which the text
+    # takes as static (gdn_chunked_text._heads_first); a batch that may be symbolic keeps the
+    # unit chunk axis (tract 0.23.9 could not type slices of a B * H axis)
+    heads = facts.value_heads if text.flat_layout(facts, True) else facts.key_heads
+    rows = heads if facts.batch == 1 else 0
     return (text.prepare_lines(facts, chunk, "0", suffix, flat=True)
             + text.inverse_part_lines(chunk, gdn_chunked.LEAF, rank)
-            + text.unrolled_loop_lines(gdn_chunked.SCAN_CHUNKS_PER_STEP, suffix)
+            + text.unrolled_loop_lines(gdn_chunked.SCAN_CHUNKS_PER_STEP, suffix, rows)
             + text.finish_lines(facts, "fin", flat=True)
             + ["states = unsqueeze(final, axes = [0]);"])
 
