@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 

@@ -347,6 +347,13 @@ def test_ctrl_c_prints_the_answer_so_far_and_exits_130(folder, tokenizer, nnef, 
     assert found["finish_reason"] == "interrupted"
 
 
+def _sigint_default() -> None:
+    # A shell without job control starts `cmd &` with SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler: the child would run all 30000 tokens. A user's terminal
+    # delivers SIGINT with its default action, so the child gets that.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow  # uses the export; a process of its own (~10 s)
 def test_sigint_during_a_stream_is_a_clean_exit(folder, nnef, tmp_path):
     # the real signal, to the command as a user runs it, once the answer is coming
@@ -354,7 +361,7 @@ def test_sigint_during_a_stream_is_a_clean_exit(folder, nnef, tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "gdn_fx.cli", "generate", "--nnef", str(nnef), "--model",
          str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", "30000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default)
     first = process.stdout.read(1)  # the answer has begun
     time.sleep(0.3)
     process.send_signal(signal.SIGINT)
