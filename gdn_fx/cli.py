@@ -124,7 +124,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="export one step of this many new tokens instead (past fixed)")
     export.add_argument("--dynamic-seq", action="store_true",
                         help="with --seq-len: symbolic sequence axis (checked at S=3 and 50)")
-    export.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32")
+    export.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32",
+                        help="the model's arithmetic (f16: f16 in tract; on a CPU --weights f16 "
+                        "gives the same file size and runs faster: docs/limits.md)")
     export.add_argument("--weights", choices=("f32", "f16", "q4_0"), default="f32",
                         help="how the NNEF stores the weights (f16: half size; q4_0: tract's "
                         "4-bit blocks for matmul weights); --check then compares with "
