@@ -319,8 +319,9 @@ def scan_step_lines(per_step: int, suffix: str) -> list[str]:
 def unrolled_loop_lines(chunks: int, suffix: str, rows: int = 0) -> list[str]:
     """The chunk recurrence written out for a static number of chunks.
 
-    ``rows`` (the static extent of axis 1 of the laid-out tensors, B*Hk or B*Hv) merges the chunk axis into axis 1 before the chunks are sliced out: chunk c is
-    then rows [c*rows, (c+1)*rows) of one axis, with no unit axis on the way. Asked for by
+    ``rows`` (the static extent of axis 1 of the laid-out tensors, B*Hk or B*Hv) merges the
+    chunk axis into axis 1 before the chunks are sliced out: chunk c is then rows
+    [c*rows, (c+1)*rows) of one axis, with no unit axis on the way. Asked for by
     "split", whose loop body holds these lines: tract 0.23.9's Scan declutter tries to remove
     every unit axis of every body node (docs/FACTS.md), and the 2 x 13 slices of a unit chunk
     axis made 40 % of the body's load time (0.28 -> 0.17 s a layer, 16 x 128)."""

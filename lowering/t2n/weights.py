@@ -96,80 +96,50 @@ def _set_attribute(module: fx.GraphModule, target: str, value) -> None:
 
 # --- f16 --------------------------------------------------------------------------------
 
-# The cast back from the stored f16 is a torch-to-nnef extension op, not ``aten.to``:
+# How an f16-stored weight reaches its readers: torch-to-nnef extension ops, not ``aten.to``:
 # torch-to-nnef evaluates every op whose inputs are all constants at export and writes the
 # result as one more variable (``<name>_weight_raw2d``), so the file would hold both copies.
-# The op therefore also takes one program input (``anchor``, never read): with a
-# non-constant input torch-to-nnef leaves it an op, and its handler emits only the cast of
-# the variable.
-STORED_CAST = "gdn_fx_stored_weight"
+# Each op therefore also takes one program input (``anchor``, never read): with a
+# non-constant input torch-to-nnef leaves it an op, and its handler emits only what it names.
+# In torch both are ``weight.to(dtype)``; in the NNEF:
+# - "gdn_fx_stored_weight": ``tract_core_cast`` of the variable (norms, biases, filters);
+# - "gdn_fx_matmul_weight": ``copy`` of the f16 variable, no cast (tract's matmul takes f16
+#   weights as stored and packs them once at load).
 
 
-@torch.library.custom_op(f"t2n_extra::{STORED_CAST}", mutates_args=())
-def stored_weight(weight: torch.Tensor, anchor: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """``weight`` (as stored in the NNEF) cast to the ``dtype`` the program reads it in;
-    ``anchor`` (a program input) only keeps torch-to-nnef from folding the cast."""
-    return weight.to(dtype)
-
-
-@stored_weight.register_fake
-def _(weight, anchor, dtype):
-    return torch.empty_like(weight, dtype=dtype)
-
-
-def _register_handler() -> None:
+def _weight_reader(name: str, nnef_op: str, to_dtype: bool) -> None:
+    """Define ``t2n_extra::<name>(weight, anchor, dtype)`` and its torch-to-nnef handler,
+    which writes ``nnef_op`` of the stored variable (with ``to`` = the read dtype when
+    ``to_dtype``)."""
     from torch_to_nnef.dtypes import TORCH_DTYPE_TO_TRACT_STR
     from torch_to_nnef.op.extras import register
 
-    @register(STORED_CAST)
-    def gdn_fx_stored_weight(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
-        """``t2n_extra::gdn_fx_stored_weight`` -> ``tract_core_cast`` of the variable."""
+    @torch.library.custom_op(f"t2n_extra::{name}", mutates_args=())
+    def read(weight: torch.Tensor, anchor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return weight.to(dtype)
+
+    @read.register_fake
+    def _(weight, anchor, dtype):
+        return torch.empty_like(weight, dtype=dtype)
+
+    @register(name)
+    def handler(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
         weight = op_helper.get_or_add_tensor_variable_in_nnef(node.inputs[0])
-        to = TORCH_DTYPE_TO_TRACT_STR[node.outputs[0].dtype]
+        attrs = {"to": TORCH_DTYPE_TO_TRACT_STR[node.outputs[0].dtype]} if to_dtype else {}
         op_helper.add_single_output_op_from_nnef_tensors(
-            node, "tract_core_cast", inputs=weight, attrs={"to": to},
-            maybe_cast_align_tract=False)
+            node, nnef_op, inputs=weight, attrs=attrs, maybe_cast_align_tract=False)
         return []
 
 
-# A weight only matrix products read: stored f16 and handed to tract's matmul as it is.
-MATMUL_WEIGHT = "gdn_fx_matmul_weight"
-
-
-@torch.library.custom_op(f"t2n_extra::{MATMUL_WEIGHT}", mutates_args=())
-def matmul_weight(weight: torch.Tensor, anchor: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """``weight`` (f16 as stored) as the program's matmul reads it: cast to ``dtype`` in
-    torch; in the NNEF the stored variable itself (tract's matmul takes it so)."""
-    return weight.to(dtype)
-
-
-@matmul_weight.register_fake
-def _(weight, anchor, dtype):
-    return torch.empty_like(weight, dtype=dtype)
-
-
-def _register_matmul_handler() -> None:
-    from torch_to_nnef.op.extras import register
-
-    @register(MATMUL_WEIGHT)
-    def gdn_fx_matmul_weight(g, node, name_to_tensor, op_helper, inference_target, **kwargs):
-        """``t2n_extra::gdn_fx_matmul_weight`` -> ``copy`` of the f16 variable (no cast)."""
-        weight = op_helper.get_or_add_tensor_variable_in_nnef(node.inputs[0])
-        op_helper.add_single_output_op_from_nnef_tensors(
-            node, "copy", inputs=weight, attrs={}, maybe_cast_align_tract=False)
-        return []
-
-
-_register_handler()
-_register_matmul_handler()
+_weight_reader("gdn_fx_stored_weight", "tract_core_cast", to_dtype=True)
+_weight_reader("gdn_fx_matmul_weight", "copy", to_dtype=False)
 
 
 def _reader_kind(node: fx.Node, user: fx.Node) -> str:
     """How ``user`` reads the f16-stored ``node``: "matmul" (the weight of ``linear``, or its
-    transpose read by matrix products only: tract takes it as stored), "gather" (rows of an embedding table: gathered in f16, the rows
-    cast), or "cast" (anything else: the whole weight cast back where read)."""
+    transpose read by matrix products only: tract takes it as stored), "gather" (rows of an
+    embedding table: gathered in f16, the rows cast), or "cast" (anything else: the whole
+    weight cast back where read)."""
     if user.target is aten.linear.default and user.args[1] is node and user.args[0] is not node:
         return "matmul"
     if user.target in _TRANSPOSES and _is_reduction_transpose(user) and user.users and all(
