@@ -418,7 +418,7 @@ def _wide(verdict: Verdict, order: dict) -> str:
 
     def error(points) -> float:
         out, state = _score(layout, fit, cut, points, fit.length, explain=False,
-                            scale=layout.scale)[:2]
+                            scale=layout.scale, every=True)[:2]
         return out + state
 
     return wide_problem(sampler, kinds, error, linear, [0, 1])
@@ -633,9 +633,10 @@ def _evaluate(cut: Cut, fit: Fit, sampler: Sampler, points: list) -> Verdict:
 
 def _evaluate_pool(cut: Cut, fit: Fit, layouts: list, points: list, prepared: dict,
                    every: bool) -> Verdict:
-    """Every layout first on the first positions, the ones that agree there along the whole
-    sequence, at the scale the first positions gave. ``every``: a switch may act on any
-    entry, so the rule is run for every head, not two."""
+    """Every layout first on the first positions (at the first and last head and batch
+    entry: a screen that orders the work), the ones that agree there along the whole
+    sequence at every head and batch entry, at the scale the first positions gave.
+    ``every``: a switch may act on any entry, so the screen runs every head too."""
     prefix = []
     for i, layout in enumerate(layouts):
         error, _, scale, _ = _score(layout, fit, cut, points, PREFIX, explain=False,
@@ -645,9 +646,11 @@ def _evaluate_pool(cut: Cut, fit: Fit, layouts: list, points: list, prepared: di
     survivors = [(lay, c) for error, _, lay, c in prefix if error <= TOLERANCE]
     best = Verdict(region=(cut, fit), partial=bool(survivors))
     for layout, c in survivors or [prefix[0][2:]]:
+        # the decision runs every head and batch entry (a change on one of them alone is
+        # linear in (v, S0): no law shows it)
         out_error, state_error, scale, where = _score(layout, fit, cut, points, fit.length,
                                                       scale=c, prepared=prepared,
-                                                      every=every)
+                                                      every=True)
         if out_error <= TOLERANCE and state_error <= TOLERANCE:
             return Verdict(layout.with_scale(exact_scale(scale, cut.nodes)), out_error,
                            state_error, region=(cut, fit))
@@ -662,10 +665,11 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
            every: bool = False):
     """(output error, final-state error, scale, where the output first differs) of the
     region against the delta rule under ``layout`` along the first ``steps`` positions; the
-    output scale is fitted unless given. The rule is run for the first and last batch entry
-    and head only (they are independent: at real widths the run along T is the cost), for
-    all points at once (one more batch axis in front). ``prepared``: the points sliced so,
-    by the heads they are sliced at, shared by the layouts of one region."""
+    output scale is fitted unless given. The rule is run for every batch entry and head
+    when ``every`` (a decision), else for the first and last of each only (a screen: at
+    real widths the run along T is the cost), for all points at once (one more batch axis
+    in front). ``prepared``: the points sliced so, by the heads they are sliced at, shared
+    by the layouts of one region."""
     steps = min(steps, fit.length)
     batch = fit.state_shape[:-2]
     heads = _heads_checked(layout, batch, every)
@@ -673,7 +677,7 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
     lasts = tuple(key_heads if i in (layout.roles["q"], layout.roles["k"]) else heads
                   for i in range(len(fit.groups)))
     prepared = {} if prepared is None else prepared
-    key = (steps, tuple(heads), tuple(map(tuple, lasts)))
+    key = (steps, tuple(heads), tuple(map(tuple, lasts)), every)
     if key not in prepared:
         prepared[key] = _at_heads(fit, cut, points, steps, heads, lasts, every)
     if prepared[key] is None:

@@ -559,7 +559,8 @@ def wide_draw(kind: str, dims, gen: torch.Generator, rotation: int, draw: int = 
     contractive (beta |k|^2 <= 2, past which the rule itself blows up along a sequence and
     no two spellings agree), at ``KEY_LEVELS[draw]`` of that (full keys but in the last draw:
     a tiny key hides what k^T S and beta do); gate: log gates -1e-6 .. -100
-    log-uniformly, one element in 8 a reset and one exactly 0; decay: exp of one; beta: all
+    log-uniformly, one element in 8 a reset and one exactly 0; decay: exp of one, half of
+    the elements negated (every value in [-1, 1] a decay can take); beta: all
     of [0, 2] (FLA lets beta reach 2: negative eigenvalues), one element in 8 at each of 0,
     1 and 2; plain: uniform [-1, 1]."""
     dims = list(dims)
@@ -574,7 +575,12 @@ def wide_draw(kind: str, dims, gen: torch.Generator, rotation: int, draw: int = 
         gate = -(10.0 ** (unit * 8 - 6))
         gate = torch.where(pick < 0.125, RESET, torch.where(pick < 0.25, 0.0, gate))
         gate = _one_end(gate, (0.0, RESET), draw)
-        return gate if kind == "gate" else gate.exp()
+        if kind == "gate":
+            return gate
+        # a decay the loop multiplies by may have either sign (negative eigenvalues, signed
+        # linear RNNs): half the elements negative, -1 and 1 met through the gate's 0
+        flip = torch.rand(dims, generator=gen, dtype=torch.float64) < 0.5
+        return torch.where(flip, -gate.exp(), gate.exp())
     signs = torch.rand(dims, generator=gen, dtype=torch.float64) * 2 - 1
     if kind == "key":
         width = max(dims + [1])  # at least the key's width, wherever its axis lies

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import fx
 
+from gdn_fx.passes.bounds import bounds
 from gdn_fx.passes.operands import Operands, scan_operands, _peel_casts
 from gdn_fx.passes.program import ATEN, shape
 from gdn_fx.passes.result import NoMatch
@@ -246,11 +247,7 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
         if layout.tiled and role in ("q", "k"):  # [B, T, Hk, D] -> [B, T, H, D], h % Hk
             ops.adapters[role].append((ATEN.repeat.default, ([1, 1, h // hk, 1],)))
     if not layout.log_gate:  # the loop walks exp(g): hand the op g (peeled, or log taken)
-        decay = ops.nodes["g"]
-        if decay.target is ATEN.exp.default and shape(decay.args[0]) == shape(decay):
-            ops.nodes["g"] = decay.args[0]
-        else:
-            ops.adapters["g"] = ops.adapters.get("g", []) + [(ATEN.log.default, ())]
+        _log_of_decay(ops)
     dv = layout.state_shape[-1] if layout.key_first else layout.state_shape[-2]
     state_steps = [] if len(layout.state_shape) == 4 else [(ATEN.reshape.default, ([b, h] + list(
         layout.state_shape[-2:]),))]
@@ -263,6 +260,25 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
         [(ATEN.reshape.default, (list(layout.state_shape),))] if len(layout.state_shape) != 4
         else [])
     return Plan(ops, _out_steps(layout, value_shape, axis, length, b, h, dv), final_steps)
+
+
+def _log_of_decay(ops: Operands) -> None:
+    """Hand the op the log of the decay the loop multiplies its state by: the exponent of an
+    exp, else log taken outside the node. log is exact only where the decay is not
+    negative (NaN below 0, where the loop is finite), and only the graph can prove that it
+    never is (bounds.py); a decay it does not prove non-negative is refused, naming it."""
+    decay = ops.nodes["g"]
+    if decay.target is ATEN.exp.default and shape(decay.args[0]) == shape(decay):
+        ops.nodes["g"] = decay.args[0]
+        return
+    lo = bounds(decay)[0]
+    if not lo >= 0.0:
+        reach = "may be any value" if lo == -math.inf else f"may reach {lo:.3g}"
+        raise NoMatch(f"the state is multiplied by {decay.name}, a decay computed before the "
+                      f"loop that the graph does not prove non-negative (it {reach}: not exp, "
+                      "sigmoid or softplus of something); the op takes the decay's log, "
+                      "which is NaN where the decay is negative", node=decay)
+    ops.adapters["g"] = ops.adapters.get("g", []) + [(ATEN.log.default, ())]
 
 
 def _unfold_beta(kb, k) -> tuple:
