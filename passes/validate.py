@@ -28,7 +28,8 @@ from torch.export.graph_signature import InputKind
 
 from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*, used below)
 from gdn_fx.ops import fast_scan_kernel
-from gdn_fx.passes.evaluator import Float64
+from gdn_fx.passes.bounds import SAME
+from gdn_fx.passes.evaluator import Float64, op_name
 from gdn_fx.passes.program import graph_module_of, mutates
 from gdn_fx.passes.rebuild import Fusion, rebuild
 from gdn_fx.passes.result import VALIDATION_FAILED, Miss
@@ -62,6 +63,7 @@ class Validator:
         self.inputs, self.reference, self.failure = None, None, None
         self.finite = []  # per reference tensor: all finite
         self.wide: Optional[list] = None  # (inputs, reference) at the wide probes
+        self.roled: dict = {}  # roles -> (inputs, reference) of the probe drawn by role
 
     def _run_original(self) -> None:
         """Run the original once (when a first rewrite needs checking: a program with nothing
@@ -86,6 +88,8 @@ class Validator:
             return self.failure
         module = graph if isinstance(graph, fx.GraphModule) else fx.GraphModule(self.root, graph)
         problem = self._checked(module, self.inputs, self.reference, self.finite)
+        if problem is None:
+            problem = self._by_role(module)
         if problem is None and self.use_wide:
             for inputs, which, reference, what in self._wide_probes():
                 problem = self._checked(module, inputs, reference, None)
@@ -120,6 +124,35 @@ class Validator:
         if error <= bound:
             return None
         return f"translation validation: '{name}' differs by {error:.3g} relative (bound {bound:g})"
+
+    def _by_role(self, module: fx.GraphModule) -> Optional[str]:
+        """Why ``module`` differs from the original where the inputs that are a fused scan's
+        gate, decay or beta (through views and casts) are drawn by role, as the meaning
+        rules draw them (log gates down to -10, decays in [0, 1], beta over [0, 1] with
+        both ends: ``_role_draw``): a floor or cap the ordinary probe's randn * 0.5 never
+        reaches shows there. Run as traced (two runs, as the ordinary probe); None when it agrees or
+        no input plays such a role."""
+        roles = {i: kind for i, kind in _operand_roles(module.graph, self.placeholders).items()
+                 if self.placeholders[i].name not in self.fixed and
+                 self.placeholders[i].name not in self.examples}
+        if not roles:
+            return None
+        key = tuple(sorted(roles.items()))
+        if key not in self.roled:
+            generator = torch.Generator().manual_seed(SEED + 2)
+            inputs = [_role_draw(roles[i], x, generator) if i in roles else x
+                      for i, x in enumerate(self.inputs)]
+            try:
+                reference = self._run(self.root, True, inputs, native=True)
+            except Exception:  # noqa: BLE001 (an original that fails there proves nothing)
+                reference = None
+            self.roled[key] = (inputs, reference)
+        inputs, reference = self.roled[key]
+        if reference is None:
+            return None
+        problem = self._checked(module, inputs, reference, [_finite(t) for _, t in reference])
+        names = ", ".join(f"{self.placeholders[i].name} as a {kind}" for i, kind in key)
+        return None if problem is None else f"{problem}, on inputs drawn by role ({names})"
 
     def _wide_probes(self) -> list:
         """(inputs, changed, reference, what) at inputs far from the probe's, run in
@@ -219,13 +252,18 @@ class Validator:
                 inputs.append(_draw(node, generator, scale))
         return inputs
 
-    def _run(self, module: fx.GraphModule, chunks: bool = True, inputs=None) -> list:
+    def _run(self, module: fx.GraphModule, chunks: bool = True, inputs=None,
+             native: bool = False) -> list:
         """What the program hands out, as (label, tensor): its outputs, then each input
         after the run (a copy, unless the program cannot write: ``_may_write``).
-        ``chunks``: whether gated_delta_scan may run chunked; ``inputs``: the probe's."""
+        ``chunks``: whether gated_delta_scan may run chunked; ``inputs``: the probe's;
+        ``native``: run as traced (else a probe other than the ordinary one runs in
+        float64)."""
         writes = _may_write(module.graph)
         inputs = self.inputs if inputs is None else inputs
-        wide = inputs is not self.inputs  # a wide probe: run in float64 (evaluator.Float64)
+        # a wide probe: run in float64 (evaluator.Float64)
+        wide = inputs is not self.inputs and not native and \
+            not any(x is inputs for x, _ in self.roled.values())
         args = [a.clone() if writes and isinstance(a, torch.Tensor) and n.name not in self.fixed
                 else a for n, a in zip(self.placeholders, inputs)]
         run = Float64(module, rounding=True).run if wide else _direct_forward(module)
@@ -368,6 +406,50 @@ def _draw(node: fx.Node, generator: torch.Generator, scale: float) -> Any:
     if value.dtype == torch.bool:
         return torch.ones(sizes, dtype=torch.bool)
     return torch.zeros(sizes, dtype=value.dtype)
+
+
+# gated_delta_scan's operands by position: the ones drawn by role (the others stay randn)
+ROLE_OPERANDS = {3: "gate", 4: "beta"}
+
+
+def _operand_roles(graph: fx.Graph, placeholders: list) -> dict:
+    """{placeholder index: 'gate' | 'decay' | 'beta'} for the inputs that are a fused scan's
+    gate or beta through views and casts (a log taken outside the node: a decay); an input
+    met in two roles is left out."""
+    index = {node.name: i for i, node in enumerate(placeholders)}  # another graph's nodes
+    roles: dict = {}
+    for node in graph.nodes:
+        if node.target is not SCAN_OP:
+            continue
+        for position, role in ROLE_OPERANDS.items():
+            source, kind = node.args[position], role
+            while isinstance(source, fx.Node) and source.op != "placeholder" and \
+                    source.op == "call_function" and source.args and \
+                    op_name(source) in SAME | {"log"}:
+                kind = "decay" if op_name(source) == "log" else kind
+                source = source.args[0]
+            at = index.get(source.name) if isinstance(source, fx.Node) and \
+                source.op == "placeholder" else None
+            if at is not None:
+                roles[at] = kind if roles.get(at, kind) == kind else None
+    return {i: kind for i, kind in roles.items() if kind is not None}
+
+
+def _role_draw(kind: str, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` drawn again as a ``kind`` (``_operand_roles``), in its own dtype: log gates
+    -1e-6 .. -10 log-uniformly, one element in 8 exactly 0; a decay exp of one; beta
+    uniform in [0, 1], one element in 8 at each end. Not past -10, nor resets: a chunked
+    program in f32 loses digits there itself (cumulative gates of 1e4 keep 1e-3 of a
+    difference), and the op, which does not, would be told apart from it; the meaning
+    rules' float64 draws cover those."""
+    unit = torch.rand(x.shape, generator=generator, dtype=torch.float64)
+    pick = torch.rand(x.shape, generator=generator, dtype=torch.float64)
+    if kind == "beta":
+        value = torch.where(pick < 0.125, 0.0, torch.where(pick < 0.25, 1.0, unit))
+    else:
+        value = torch.where(pick < 0.125, 0.0, -(10.0 ** (unit * 7 - 6)))
+        value = value.exp() if kind == "decay" else value
+    return value.to(x.dtype)
 
 
 def _changed(x: torch.Tensor, factor: float) -> torch.Tensor:

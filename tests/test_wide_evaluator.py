@@ -43,7 +43,9 @@ def test_gates_reach_past_minus_100_and_reset_beta_reaches_its_ends():
     assert (gates <= 0).all() and (gates == RESET).any()
     assert ((gates < -10) & (gates > RESET)).any() and (gates > -1e-5).any()
     decays = torch.cat([x.flatten() for x in _draws("decay")])
-    assert ((decays >= 0) & (decays <= 1)).all() and (decays == 0).any()
+    # a decay the loop multiplies by takes both signs: every value of [-1, 1]
+    assert ((decays >= -1) & (decays <= 1)).all() and (decays == 0).any()
+    assert (decays < -0.5).any() and (decays > 0.5).any() and (decays.abs() == 1).any()
     betas = torch.cat([x.flatten() for x in _draws("beta")])
     assert (betas == 0).any() and (betas == 1).any() and ((betas > 0) & (betas < 1)).any()
 
