@@ -14,11 +14,12 @@ STAMP  := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch first and pinned: pip then takes the CPU build that lies on disk, not a CUDA one.
+# The base install is the runtime; the "export" extra adds torch, transformers, torch-to-nnef.
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[export,test]"
 	touch $(STAMP)
 
 demo: $(STAMP)

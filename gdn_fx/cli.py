@@ -47,10 +47,12 @@ decoded, the rates (prefill and decode tokens/s, time to first token) to stderr.
 
 That folder is the checkpoint the run follows on every path, as transformers' generate does:
 the EOS ids of generation_config.json, the context of config.json (max_position_embeddings:
-a prompt that fills it is refused, an answer it cuts says so), and the sampling of
-generation_config.json (do_sample, temperature, top_k, top_p, min_p, repetition_penalty),
-unless a flag overrides it (--greedy: greedy). The sampling used is said on stderr
-("[sampling] ..."). Ctrl-C stops the answer where it is (status 130).
+a prompt that fills it is refused, an answer it cuts says so), the length of
+generation_config.json (max_new_tokens, else max_length: the prompt and the answer
+together, else transformers' default of 20 new tokens) and its sampling (do_sample,
+temperature, top_k, top_p, min_p, repetition_penalty), unless a flag overrides it
+(--max-new-tokens; --greedy: greedy). The sampling and the length used are said on stderr
+("[sampling] ...", "[length] ..."). Ctrl-C stops the answer where it is (status 130).
 
 The decode graph beside --nnef (X.decode.nnef.tgz, written by "export --decode-graph") is
 used when there is one; it must carry the main graph's fingerprint. Without it the one graph
@@ -61,21 +63,84 @@ serves decode.""",
 }
 
 
-def _subparser(sub, name: str, help_text: str, **extra) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=help_text, description=help_text,
-                          epilog=EXAMPLES[name].format(**extra),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser whose epilog is filled in when its help is printed
+    (``fill``: name -> a function giving the text): the export help's family list needs
+    transformers, which neither ``gdn-fx --help`` nor ``generate`` should import."""
+
+    fill: dict = {}
+
+    def format_help(self) -> str:
+        if self.fill:
+            template = self.epilog
+            self.epilog = template.format(**{name: make() for name, make in self.fill.items()})
+            try:
+                return super().format_help()
+            finally:
+                self.epilog = template
+        return super().format_help()
+
+
+def _subparser(sub, name: str, help_text: str, **fill) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=help_text,
+                            epilog=EXAMPLES[name],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.fill = fill
+    return parser
+
+
+# What the exporter imports beyond the runtime (pyproject's "export" extra): a runtime-only
+# install (`pip install gdn-fx`) generates from an artifact; the rest says what to install.
+EXPORT_MODULES = ("torch", "transformers", "torch_to_nnef", "networkx")
+EXPORT_INSTALL = 'pip install "gdn-fx[export]"'
+
+
+def missing_export_modules() -> list:
+    """The exporter's modules this Python cannot import (found without importing them)."""
+    import importlib.util
+
+    missing = []
+    for name in EXPORT_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _needs_exporter(args) -> str:
+    """What of this command line needs the exporter's packages ("" when nothing does)."""
+    if args.command in ("export", "demo", "diff"):
+        return args.command
+    if args.command == "generate":
+        for flag in ("check", "family"):
+            if getattr(args, flag, None):
+                return f"generate --{flag}"
+    return ""
+
+
+def _exporter_missing(what: str, missing: Sequence[str]) -> str:
+    """The one line that says what to install."""
+    names = ", ".join(name.replace("_", "-") for name in missing)
+    return (f"gdn-fx: {what} needs the exporter's packages ({names} not installed): "
+            f"{EXPORT_INSTALL}")
 
 
 def _families() -> str:
     """The --family names as the export help lists them (wrapped), with those the installed
-    transformers lacks named apart."""
+    transformers lacks named apart; without the exporter's packages, what to install."""
     import textwrap
 
-    import transformers
+    try:
+        import transformers
 
-    from gdn_fx.hf.configs import FAMILIES, available_families
-
+        from gdn_fx.hf.configs import FAMILIES, available_families
+    except ImportError:
+        text = ("families (--family): listed here once the exporter's packages are "
+                f"installed ({EXPORT_INSTALL})")
+        return "\n".join(textwrap.wrap(text, 90, subsequent_indent="  "))
     here = available_families()
     text = "families (--family): " + ", ".join(here)
     missing = [f for f in FAMILIES if f not in here]
@@ -109,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="gdn-fx", description=__doc__, epilog=EXAMPLES[None],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = _subparser(sub, "demo", "tiny random Qwen3.5 decode step, end to end")
     demo.add_argument("--out", type=Path, default=Path("out/demo.nnef.tgz"))
     demo.add_argument("--text", action="store_true",
@@ -117,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
                       "offline, exported generation-ready, answering a text prompt in tract")
     export = _subparser(
         sub, "export", "a model as a generation-ready NNEF (symbolic S and P, prefill and "
-        "decode), or with --seq-len one step at a fixed length", families=_families())
+        "decode), or with --seq-len one step at a fixed length", families=_families)
     _model_source(export, required=True)
     export.add_argument("--out", type=Path, required=True, help="*.nnef.tgz, .nnef.tar or .nnef")
     export.add_argument("--seq-len", type=int, default=None,
@@ -164,7 +229,11 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--nnef", type=Path, required=True,
                           help="the export (its X.decode.nnef.tgz is used when present)")
     add_text_arguments(generate)
-    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                          help="new tokens at most (default: the checkpoint's "
+                          "generation_config.json, as transformers' generate takes it: its "
+                          "max_new_tokens, else its max_length minus the prompt, else "
+                          "transformers' default of 20; said on stderr as [length])")
     generate.add_argument("--prefill-chunk", type=int, default=None,
                           help="feed the prompt in calls of N tokens (default: the longest "
                           "chunk whose activations fit the L2 cache; 0: the whole prompt in "
@@ -253,7 +322,7 @@ def _staged(job):
 def _pair_warnings_in_one_line(spell=lambda text: text):
     """The Generator's UnverifiedPair warnings printed as one ``gdn-fx: warning:`` line each
     (paths through ``spell``), as errors are; other warnings go out as they would have."""
-    from gdn_fx.hf.generator import UnverifiedPair
+    from gdn_fx.runtime.artifact import UnverifiedPair
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnverifiedPair)
@@ -302,12 +371,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from gdn_fx.errors import GdnFxError
 
         args = _parser().parse_args(argv)
+        what = _needs_exporter(args)
+        missing = missing_export_modules() if what else []
+        if missing:  # a runtime-only install: one line saying what to install
+            print(_exporter_missing(what, missing), file=sys.stderr)
+            return 2
         try:
             return _dispatch(args)
         except GdnFxError as err:  # a refusal with a reason, not a crash
             from gdn_fx.cli_checks import one_line
 
             print(one_line(err), file=sys.stderr)
+            return 2
+        except ImportError as err:  # an exporter's module reached where none was expected
+            name = (getattr(err, "name", None) or "").split(".")[0]
+            if name not in EXPORT_MODULES:
+                raise
+            print(_exporter_missing(args.command, [name]), file=sys.stderr)
             return 2
     except KeyboardInterrupt:  # Ctrl-C (also while the imports load): one line, no traceback
         sys.stdout.flush()
@@ -323,6 +403,8 @@ def _dispatch(args) -> int:
     check(args)  # before any work: files, numbers, names (each refusal one line, status 2)
     if args.command == "diff":
         return _diff(args.a, args.b)
+    if args.command == "generate":  # the runtime: no torch unless --check asks for it
+        return _generate(args)
     from gdn_fx.pipeline import Job
 
     if args.command == "demo" and args.text:
@@ -331,8 +413,6 @@ def _dispatch(args) -> int:
         return run_demo(args.out)
     if args.command == "demo":
         return _export(Job(family="qwen3_5", out=args.out))
-    if args.command == "generate":
-        return _generate(args)
     job = Job(family=args.family, config=args.config, model_dir=args.model_dir, out=args.out,
               seq_len=args.seq_len or 1, dynamic_seq=args.dynamic_seq, dtype=args.dtype,
               seed=args.seed, weights=args.weights,

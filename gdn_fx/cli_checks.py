@@ -121,8 +121,9 @@ def check_family(name: str) -> None:
 
 def check_config(path: Path, flag: str = "--config", error=UsageError) -> dict:
     """``--config`` must be a readable, non-empty JSON object whose ``model_type`` the
-    installed transformers has as a causal LM; returns its values. ``flag`` names the file
-    in the message, ``error`` is the class raised."""
+    installed transformers has as a causal LM (where transformers is installed: a command
+    that builds the model says first that it needs it); returns its values. ``flag`` names
+    the file in the message, ``error`` is the class raised."""
     text = _read(path, flag, error)
     if not text.strip():
         raise error(f"{flag} {path} is empty")
@@ -135,9 +136,12 @@ def check_config(path: Path, flag: str = "--config", error=UsageError) -> dict:
     model_type = values.get("model_type")
     if not model_type:
         raise error(f"{flag} {path} has no \"model_type\" (which transformers model?)")
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # a runtime-only install: generate reads the folder, not the model
+        return values
 
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise error(f"{flag} {path}: model_type {model_type!r} is unknown to "

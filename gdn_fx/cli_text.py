@@ -206,14 +206,26 @@ def say_sampling(resolved, seed: Optional[int] = None) -> None:
     print(f"[sampling] {resolved.line(seed)}", file=sys.stderr, flush=True)
 
 
+def length_of(args: argparse.Namespace, folder: Optional[Path]):
+    """The :class:`~gdn_fx.runtime.text.Length` of the run: --max-new-tokens, else the
+    checkpoint ``folder``'s generation_config.json (max_new_tokens, else max_length), else
+    transformers' default (:func:`gdn_fx.runtime.text.generation_length`)."""
+    from gdn_fx.runtime.text import generation_length
+
+    return generation_length(folder, args.max_new_tokens, given_as="--max-new-tokens")
+
+
+def say_length(length, prompt_length: Optional[int] = None) -> None:
+    """The length the run uses and where it came from, one line on stderr."""
+    print(f"[length] {length.line(prompt_length)}", file=sys.stderr, flush=True)
+
+
 def generate_text(args: argparse.Namespace) -> int:
     """Run ``generate`` on the text path; 0, or 1 when --check finds a difference."""
-    from gdn_fx.runtime.sampling import check_max_new_tokens
     from gdn_fx.runtime.streaming import check_context
     from gdn_fx.runtime.text import context_length, eos_ids, load_tokenizer, prompt_ids
 
     given = check_sampling_flags(args)
-    max_new = check_max_new_tokens(args.max_new_tokens)
     text = prompt_text(args)
     if args.check and (given.get("temperature", 0) > 0
                        or given.get("repetition_penalty", 1) != 1):
@@ -240,9 +252,10 @@ def generate_text(args: argparse.Namespace) -> int:
     plain = ("--check compares plain greedy generation with transformers'" if args.check
              else "--batch runs plain greedy generation" if args.batch is not None else "")
     resolved = sampling_of(args, source, plain)
+    length = length_of(args, source)
     context = context_length(source) if source is not None else None
     args.stop = [stop.replace("\\n", "\n").replace("\\t", "\t") for stop in args.stop]
-    options = dict(tokenizer=tokenizer, max_new_tokens=max_new, sampling=resolved.sampling,
+    options = dict(tokenizer=tokenizer, sampling=resolved.sampling,
                    eos=eos_ids(source, tokenizer) if source is not None else [],
                    stop=args.stop, context=context, keep_logits=args.check)
     if args.prompts_file is not None:
@@ -251,15 +264,18 @@ def generate_text(args: argparse.Namespace) -> int:
         if context is not None:
             for index, ids in enumerate(prompts):
                 check_context(ids, context, f"prompt {index} of --prompts-file")
+        counts = [length.new_tokens(len(ids), f"prompt {index} of --prompts-file")
+                  for index, ids in enumerate(prompts)]
         run = _batched if args.batch is not None else _many
-        return run(args, prompts, options, resolved)
+        return run(args, prompts, counts, options, resolved, length)
     if text is not None:
         prompt = prompt_ids(tokenizer, text, chat=args.chat, system=args.system)
     else:
         prompt = prompt_id_list(args.prompt_ids)
     if context is not None:
         check_context(prompt, context)
-    return _report(args, _stream(args, prompt, options, resolved))
+    options["max_new_tokens"] = length.new_tokens(len(prompt))
+    return _report(args, _stream(args, prompt, options, resolved, length))
 
 
 def prompts_of_file(path: Path, tokenizer, args: argparse.Namespace) -> list:
@@ -291,7 +307,7 @@ def prompts_of_file(path: Path, tokenizer, args: argparse.Namespace) -> list:
 
 def _open(args):
     """The Generator of --nnef (and its decode graph, unless --no-decode)."""
-    from gdn_fx.hf.generator import Generator
+    from gdn_fx.runtime.generator import Generator
 
     chunk = "auto" if args.prefill_chunk is None else (args.prefill_chunk or None)
     return Generator.open(args.nnef, use_decode=not args.no_decode, prefill_chunk=chunk,
@@ -311,26 +327,39 @@ def _load(args):
     return generator
 
 
-def _stream(args, prompt, options, resolved):
-    """The Generator loaded and the stream started; the sampling it uses said on stderr."""
+def _stream(args, prompt, options, resolved, length):
+    """The Generator loaded and the stream started; the sampling and the length it uses said
+    on stderr."""
     from gdn_fx.runtime.streaming import stream
 
     run = stream(_load(args), prompt, **options)
     say_sampling(resolved, run.sampler.seed)
+    say_length(length, len(prompt))
     return run
 
 
-def _many(args, prompts: list, options: dict, resolved) -> int:
-    """Every prompt of --prompts-file run to its end by --workers threads; the answers in
-    order (text, or one JSON line each), the aggregate rate and --check's verdicts on
-    stderr. 0, or 1 when --check finds a difference."""
-    from gdn_fx.runtime.parallel import check_workers, stream_all
+def _many(args, prompts: list, counts: list, options: dict, resolved, length) -> int:
+    """Every prompt of --prompts-file run to its end (``counts``: each one's new tokens at
+    most) by --workers threads; the answers in order (text, or one JSON line each), the
+    aggregate rate and --check's verdicts on stderr. 0, or 1 when --check finds a
+    difference."""
+    from gdn_fx.runtime.parallel import check_workers, serve
+    from gdn_fx.runtime.streaming import stream
 
     workers = check_workers(args.workers)
     generator = _load(args)
     say_sampling(resolved)
+    say_length(length)
+
+    def finish(fork, item):
+        prompt, count = item
+        run = stream(fork, prompt, max_new_tokens=count, **options)
+        for _ in run:
+            pass
+        return run
+
     start = time.perf_counter()
-    runs = stream_all(generator, prompts, workers, **options)
+    runs = serve(generator, list(zip(prompts, counts)), finish, workers)
     elapsed = time.perf_counter() - start
     model = checked_model(args) if args.check else None
     failed = 0
@@ -356,12 +385,12 @@ def _many(args, prompts: list, options: dict, resolved) -> int:
     return 1 if failed else 0
 
 
-def _batched(args, prompts: list, options: dict, resolved) -> int:
+def _batched(args, prompts: list, counts: list, options: dict, resolved, length) -> int:
     """Every prompt of --prompts-file through the --batch slots of a batched export
-    (``gdn_fx.hf.batch.BatchGenerator``): output as ``_many`` gives it. 0, or 1 when --check
-    finds a difference."""
+    (``gdn_fx.hf.batch.BatchGenerator``), each to its own count of new tokens (``counts``;
+    greedy: the slots run to the largest and each answer is cut to its own): output as
+    ``_many`` gives it. 0, or 1 when --check finds a difference."""
     from gdn_fx.runtime.batch import BatchGenerator, check_batch
-    from gdn_fx.hf.generator import check_generation
     from gdn_fx.runtime.parallel import check_workers
 
     batch, workers = check_batch(args.batch), check_workers(args.workers)
@@ -376,11 +405,13 @@ def _batched(args, prompts: list, options: dict, resolved) -> int:
     print(f"[load] {args.nnef}: batched graph (B = {batch}) in "
           f"{time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
     say_sampling(resolved)
+    say_length(length)
     tokenizer = options["tokenizer"]
-    results = generator.generate(prompts, options["max_new_tokens"], keep_logits=args.check,
+    results = generator.generate(prompts, max(counts), keep_logits=args.check,
                                  eos=options["eos"], workers=workers)
     context = options["context"]
     for index, result in enumerate(results):  # the slots ran on: what fits is the answer
+        del result.tokens[counts[index]:], result.logits[counts[index]:]
         room = len(result.tokens) if context is None else context - len(result.prompt)
         if len(result.tokens) > room:
             del result.tokens[room:], result.logits[room:]
@@ -392,6 +423,8 @@ def _batched(args, prompts: list, options: dict, resolved) -> int:
     for index, result in enumerate(results):
         found = None
         if model is not None:
+            from gdn_fx.hf.generator import check_generation
+
             found = check_generation(model[0], result)
             print(f"check against transformers ({model[1]}), prompt {index}: {found}",
                   file=sys.stderr)
@@ -467,24 +500,20 @@ def generate_ids(args: argparse.Namespace) -> int:
     checkpoint the run follows (--model's folder, else the X.text folder beside --nnef) gives
     the EOS ids, the context and the sampling (generation_config.json), as on the text path.
     0, or 1 when --check finds a difference."""
-    import gc
-
-    from gdn_fx import tract_check
-    from gdn_fx.hf.generator import GenerationResult, check_generation
-    from gdn_fx.runtime.sampling import check_max_new_tokens
     from gdn_fx.runtime.streaming import check_context, stream
     from gdn_fx.runtime.text import context_length, eos_ids
 
     prompt = prompt_id_list(args.prompt_ids)
-    max_new = check_max_new_tokens(args.max_new_tokens)
     if args.check and not (args.family or args.config or args.model_dir):
         raise UsageError("--check needs the model: --family, --config or --model")
     folder = checkpoint_folder(args)
     plain = "--check compares plain greedy generation with transformers'" if args.check else ""
     resolved = sampling_of(args, folder, plain)
+    length = length_of(args, folder)
     context = context_length(folder) if folder is not None else None
     if context is not None:
         check_context(prompt, context)
+    max_new = length.new_tokens(len(prompt))
     if not args.nnef.exists():
         raise UsageError(f"--nnef {args.nnef} does not exist")
     generator = _open(args)
@@ -493,6 +522,7 @@ def generate_ids(args: argparse.Namespace) -> int:
                  keep_logits=args.check)
     del generator
     say_sampling(resolved, run.sampler.seed)
+    say_length(length, len(prompt))
     total = run.max_new_tokens
     try:
         for count, _ in enumerate(run, 1):
@@ -508,6 +538,11 @@ def generate_ids(args: argparse.Namespace) -> int:
     print(f"tract: {summary.rates()}")
     if not args.check:
         return 0
+    import gc
+
+    from gdn_fx import tract_check
+    from gdn_fx.hf.generator import GenerationResult, check_generation
+
     run.release()  # tract's copy of the weights goes before transformers' comes
     gc.collect()
     tract_check.release_freed_memory()

@@ -509,3 +509,125 @@ def test_tract_s_root_cause_reaches_the_one_line(tmp_path, capsys):
     for argv in (["--prompt-ids", "1,2"], ["--prompt-ids", "1,2", "--json"]):
         line = refused(capsys, "--nnef", broken, *argv)
         assert "tract cannot load" in line and line.endswith(root)
+
+
+# --- 11. the length of generation_config.json -----------------------------------------------
+# transformers' generate: max_new_tokens, else max_length (the prompt and the answer
+# together; a prompt as long is refused), else its default max_length of 20 counted from the
+# end of the prompt; max_new_tokens wins when both are set. The flag overrides the file.
+
+def hf_generate_as_loaded(checkpoint: Path, ids: list, **kwargs) -> list:
+    """The new tokens of transformers' generate with the lengths the checkpoint's files give
+    (no max_new_tokens passed unless ``kwargs`` says)."""
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint)).eval()
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def said_length(err: str) -> str:
+    return next(line for line in err.splitlines() if line.startswith("[length] "))
+
+
+@pytest.mark.slow  # uses the export
+def test_the_length_of_generation_config_is_transformers_on_every_path(folder, tokenizer,
+                                                                       nnef, tmp_path, capsys):
+    ids = tokenizer(PROMPT)["input_ids"]
+    cases = [  # (generation_config.json's lengths, flags, transformers' kwargs, new tokens, line)
+        ({"max_new_tokens": 6}, [], {}, 6, "max_new_tokens 6 from g0/generation_config.json"),
+        ({"max_length": len(ids) + 5}, [], {}, 5,
+         f"max_length {len(ids) + 5} from g1/generation_config.json (the prompt's {len(ids)} "
+         "tokens and 5 new)"),
+        ({"max_new_tokens": 4, "max_length": len(ids) + 9}, [], {}, 4,
+         "max_new_tokens 4 from g2/generation_config.json (its max_length "
+         f"{len(ids) + 9} is not used: max_new_tokens wins, as in transformers)"),
+        ({}, [], {}, 20, "max_new_tokens 20: transformers' default (g3/generation_config.json "
+         "sets neither max_new_tokens nor max_length)"),
+        ({"max_new_tokens": 6}, ["--max-new-tokens", 3], {"max_new_tokens": 3}, 3,
+         "max_new_tokens 3 from --max-new-tokens (overrides g4/generation_config.json's "
+         "max_new_tokens 6)"),
+    ]
+    for index, (lengths, flags, kwargs, count, line) in enumerate(cases):
+        checkpoint = variant(folder, tmp_path / f"g{index}", {"eos_token_id": [], **lengths})
+        want = hf_generate_as_loaded(checkpoint, ids, **kwargs)
+        assert len(want) == count, (lengths, want)  # nothing else ends it: the length shows
+        common = ["--nnef", nnef, "--model", checkpoint, *flags]
+        status, out, err = cli(capsys, *common, "--prompt-ids", ids_text(ids))  # the ids path
+        assert status == 0 and ids_of(out) == want, (lengths, flags)
+        assert said_length(err) == f"[length] {line}"
+        status, out, err = cli(capsys, *common, "--prompt", PROMPT, "--json")  # the text path
+        assert status == 0 and json.loads(out)["tokens"] == want, (lengths, flags)
+        assert said_length(err) == f"[length] {line}"
+    # without --model: the files carried beside the export (X.text) say the same
+    alone = tmp_path / "alone" / "m.nnef.tgz"
+    alone.parent.mkdir()
+    shutil.copy(nnef, alone)
+    variant(tmp_path / "g0", tmp_path / "alone" / "m.text")
+    status, out, err = cli(capsys, "--nnef", alone, "--prompt-ids", ids_text(ids))
+    assert status == 0 and len(ids_of(out)) == 6
+    assert said_length(err) == "[length] max_new_tokens 6 from m.text/generation_config.json"
+
+
+@pytest.mark.slow  # uses the export
+def test_max_length_counts_each_prompt_and_refuses_one_that_fills_it(folder, tokenizer, nnef,
+                                                                     tmp_path, capsys):
+    short, long = "The keeper", PROMPT
+    lengths = [len(tokenizer(text)["input_ids"]) for text in (short, long)]
+    assert lengths[0] < lengths[1]
+    total = lengths[1] + 3
+    checkpoint = variant(folder, tmp_path / "ml", {"eos_token_id": [], "max_length": total})
+    want = [hf_generate_as_loaded(checkpoint, tokenizer(text)["input_ids"])
+            for text in (short, long)]
+    assert [len(w) for w in want] == [total - n for n in lengths]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{short}\n{long}\n")
+    status, out, err = cli(capsys, "--nnef", nnef, "--model", checkpoint, "--prompts-file",
+                           prompts, "--json")
+    assert status == 0 and [json.loads(line)["tokens"] for line in out.splitlines()] == want
+    assert said_length(err) == (f"[length] max_length {total} from ml/generation_config.json "
+                                "(the prompt and the answer together)")
+    # a prompt as long as max_length: transformers refuses it, and so does every path
+    ids = tokenizer(long)["input_ids"]
+    tight = variant(folder, tmp_path / "tight", {"max_length": len(ids)})
+    with pytest.raises(ValueError, match="max_length"):
+        hf_generate_as_loaded(tight, ids)
+    capsys.readouterr()  # transformers' loading bar
+    for argv in (["--prompt-ids", ids_text(ids)], ["--prompt", long, "--json"],
+                 ["--prompts-file", prompts]):
+        line = refused(capsys, "--nnef", nnef, "--model", tight, *argv)
+        assert (f"is {len(ids)} tokens, and max_length {len(ids)} (tight/generation_config."
+                "json) counts the prompt and the answer") in line, argv
+    assert "prompt 1 of --prompts-file" in refused(capsys, "--nnef", nnef, "--model", tight,
+                                                   "--prompts-file", prompts)
+
+
+def test_generation_length_reads_what_transformers_reads(tmp_path):
+    """gdn_fx.runtime.text.generation_length on its own: config.json's lengths where the
+    folder has no generation_config.json (transformers then builds its generation config
+    from config.json), values that are not an int >= 1 refused in one line."""
+    from gdn_fx.errors import CheckpointError, UsageError
+    from gdn_fx.runtime.text import DEFAULT_NEW_TOKENS, generation_length
+
+    assert DEFAULT_NEW_TOKENS == GenerationConfig()._get_default_generation_params()[
+        "max_length"]
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5",
+                                                    "text_config": {"max_length": 12}}))
+    length = generation_length(folder)
+    assert (length.max_new_tokens, length.max_length, length.source) == (
+        None, 12, "ckpt/config.json")
+    assert length.new_tokens(5) == 7
+    with pytest.raises(UsageError, match="the prompt is 12 tokens, and max_length 12"):
+        length.new_tokens(12)
+    assert generation_length(None).line() == (
+        "max_new_tokens 20: transformers' default (no checkpoint's generation_config.json)")
+    assert generation_length(None, 7).new_tokens(100) == 7
+    for bad in (0, -1, 2.5, "6", True):
+        (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": bad}))
+        with pytest.raises(CheckpointError, match="ckpt/generation_config.json: "
+                           "max_new_tokens must be an int >= 1"):
+            generation_length(folder)
+    with pytest.raises(UsageError, match="--max-new-tokens must be an int >= 1"):
+        generation_length(None, 0, given_as="--max-new-tokens")

@@ -272,9 +272,11 @@ def stream(source, prompt: Union[str, Sequence[int]], *, tokenizer=None,
     tokenizer); ``context``: the model's context length: a prompt that fills it is refused,
     and generation stops at it (``finish_reason`` "context" when that is before
     ``max_new_tokens``); ``keep_logits``: the raw logits of every step are kept in the
-    stream's ``logits`` (for ``check_generation``). Arguments are checked before any model
-    call (one-line UsageError): an empty prompt, ids outside the vocabulary,
-    ``max_new_tokens < 1``."""
+    stream's ``logits`` (for ``check_generation``). Each setting is what the call is given
+    (``max_new_tokens`` 64 unless given); :func:`gdn_fx.runtime.text.generation_length` and
+    ``eos_ids`` give a checkpoint's, as ``gdn-fx generate`` takes them. Arguments are checked
+    before any model call (one-line UsageError): an empty prompt, ids outside the
+    vocabulary, ``max_new_tokens < 1``."""
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     stop = [stop] if isinstance(stop, str) else list(stop)
     session = _session(source)

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
@@ -189,6 +190,104 @@ def generation_values(folder: Union[str, Path]) -> Optional[dict]:
     if not isinstance(values, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
     return values
+
+
+# transformers' GenerationConfig default (``_get_default_generation_params``, 5.x: max_length
+# 20): with neither max_new_tokens nor max_length set, ``generate`` makes 20 new tokens
+# (max_length 20 counted from the end of the prompt), at most up to the model's context.
+DEFAULT_NEW_TOKENS = 20
+TRANSFORMERS_DEFAULT = "transformers' default"  # the source a Length names then
+
+
+@dataclass(frozen=True)
+class Length:
+    """How many new tokens a run makes, and where that came from (:func:`generation_length`):
+    a count of new tokens (``max_new_tokens``), or ``max_length``, the prompt and the answer
+    together (``max_new_tokens`` None), as transformers' ``generate`` counts it."""
+
+    max_new_tokens: Optional[int]
+    max_length: Optional[int]
+    source: str  # "--max-new-tokens", "m.text/generation_config.json", "transformers' default"
+    note: str = ""  # what else was there and is not used, or why the default
+
+    def new_tokens(self, prompt_length: int, name: str = "the prompt") -> int:
+        """The new tokens after a prompt of ``prompt_length`` tokens; UsageError (one line,
+        as transformers' ValueError) when ``max_length`` leaves no room for one."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        room = self.max_length - prompt_length
+        if room < 1:
+            raise UsageError(f"{name} is {prompt_length} tokens, and max_length "
+                             f"{self.max_length} ({self.source}) counts the prompt and the "
+                             "answer: no room for a new token (transformers' generate refuses "
+                             "it too); give max_new_tokens (--max-new-tokens N)")
+        return room
+
+    def line(self, prompt_length: Optional[int] = None) -> str:
+        """What the run uses and where it came from, as the command says it on stderr."""
+        if self.max_new_tokens is not None:
+            head = f"max_new_tokens {self.max_new_tokens}"
+        else:
+            head = f"max_length {self.max_length}"
+            tail = (f"the prompt's {prompt_length} tokens and {self.max_length - prompt_length}"
+                    " new" if prompt_length is not None else "the prompt and the answer together")
+        text = head + (f": {self.source}" if self.source == TRANSFORMERS_DEFAULT
+                       else f" from {self.source}")
+        if self.max_new_tokens is None:
+            text += f" ({tail})"
+        return text + (f" ({self.note})" if self.note else "")
+
+
+def _length_value(values: dict, key: str, where: str) -> Optional[int]:
+    value = values.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{where}: {key} must be an int >= 1, got {value!r}")
+    return value
+
+
+def generation_length(folder: Union[str, Path, None] = None,
+                      max_new_tokens: Optional[int] = None, *,
+                      given_as: str = "max_new_tokens") -> Length:
+    """The length of a run, settled as transformers' ``generate`` settles it: a
+    ``max_new_tokens`` given (a flag, named ``given_as``) wins; else the checkpoint
+    ``folder``'s generation_config.json (config.json's values when the folder has none, as
+    transformers then reads them): its ``max_new_tokens``, else its ``max_length`` (the
+    prompt and the answer together, :meth:`Length.new_tokens`), else transformers' default
+    of :data:`DEFAULT_NEW_TOKENS` new tokens; also without a folder. ``max_new_tokens`` wins
+    over ``max_length`` when the file sets both, as in transformers. The Python calls
+    (``Generator.stream``, ``generate``) take the length they are given: this gives them the
+    checkpoint's. UsageError / CheckpointError (one line) for a value that is not an int >= 1."""
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(
+            max_new_tokens, int) or max_new_tokens < 1):
+        raise UsageError(f"{given_as} must be an int >= 1, got {max_new_tokens!r}")
+    values, where = {}, "no checkpoint's generation_config.json"
+    if folder is not None:
+        folder = Path(folder)
+        values = generation_values(folder)
+        where = f"{folder.name}/generation_config.json"
+        if values is None:  # transformers builds its generation config from config.json's
+            config = _json(folder / "config.json")
+            values = {key: _config_value(config, key) for key in ("max_new_tokens",
+                                                                  "max_length")}
+            where = f"{folder.name}/config.json"
+    new = _length_value(values, "max_new_tokens", where)
+    total = _length_value(values, "max_length", where)
+    found = [f"{key} {value}" for key, value in (("max_new_tokens", new), ("max_length", total))
+             if value is not None]
+    if max_new_tokens is not None:
+        note = f"overrides {where}'s {' and '.join(found)}" if found else ""
+        return Length(int(max_new_tokens), None, given_as, note)
+    if new is not None:
+        note = (f"its max_length {total} is not used: max_new_tokens wins, as in transformers"
+                if total is not None else "")
+        return Length(new, None, where, note)
+    if total is not None:
+        return Length(None, total, where)
+    note = (f"{where} sets neither max_new_tokens nor max_length" if folder is not None
+            else where)
+    return Length(DEFAULT_NEW_TOKENS, None, TRANSFORMERS_DEFAULT, note)
 
 
 def context_length(folder: Union[str, Path]) -> Optional[int]:
