@@ -1,4 +1,5 @@
-"""Small differentiable oracles for GDN / KDA and the causal conv1d update.
+"""Small differentiable oracles for GDN / KDA, the gated linear recurrence (Mamba2's SSD,
+Mamba1, lightning, retention, GLA: no delta erase) and the causal conv1d update.
 
 Plain torch, independent of FLA and Triton; written for clarity and gradients, not speed.
 Gates are natural logs of the per-step decay. Arithmetic runs in the inputs' own dtype (use
@@ -8,6 +9,7 @@ Layouts (sequence-major, as in HF, FLA and tract):
     q, k  [B, T, Hk, Dk]      v [B, T, Hv, Dv], Hv = G * Hk (value head h reads key head h // G)
     g     [B, T, Hv] (GDN, one decay per head) or [B, T, Hv, Dk] (KDA, one decay per key channel)
     beta  [B, T, Hv]          state [N, Hv, Dk, Dv] (key-first) or [N, Hv, Dv, Dk] (state_v_first)
+The gated linear references take the same layout without beta (state key-first, N = B).
 """
 
 from __future__ import annotations
@@ -27,6 +29,26 @@ def l2norm(x: Tensor, eps: float = 1e-6, dim: int = -1) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
+# A log gate below this is a reset in any float dtype the kernels compute in: e^GATE_FLOOR is 0
+# in f32 (and e^-104 already is) and in f64 (e^-746 is); clamping to it changes no decay, and
+# it keeps -inf out of the sums (-inf - -inf is NaN). Chunk sums of it stay exact integers
+# (64 * 1024 << 2^24). The chunked kernels of both ops (gdn_fx.ops) and the chunked linear
+# reference below use it.
+GATE_FLOOR = -1024.0
+
+
+def gate_parts(g: Tensor) -> tuple[Tensor, Tensor]:
+    """(whole, frac): the log gate clamped at GATE_FLOOR, split into its ceiling (an integer,
+    whose cumulative sums within a chunk are exact in f32) and the rest, in (-1, 0].
+    Cumulative differences c_t - c_j are then the exact integer difference plus a difference
+    of fraction sums, which a reset gate (-1e9, -inf) never enters: in one cumulative sum the
+    small gates after a reset would round against it (ulp(1024) ~ 1e-4). Gates in (-1, 0]
+    have whole part 0: their sums are what they were."""
+    clamped = g.clamp(min=GATE_FLOOR)
+    whole = clamped.ceil()
+    return whole, clamped - whole
+
+
 def _segments(total: int, cu_seqlens: Optional[Tensor]) -> list[tuple[int, int]]:
     """(start, end) of each packed sequence; the whole axis when cu_seqlens is None."""
     if cu_seqlens is None:
@@ -38,8 +60,10 @@ def _segments(total: int, cu_seqlens: Optional[Tensor]) -> list[tuple[int, int]]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _check_operands(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> None:
-    """Raise ShapeError naming the operand whose shape breaks the layout of this module."""
+def _check_operands(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                    beta: Optional[Tensor] = None) -> None:
+    """Raise ShapeError naming the operand whose shape breaks the layout of this module
+    (``beta`` None: the gated linear recurrence, which has none)."""
     if q.dim() != 4 or v.dim() != 4:
         raise ShapeError(f"q and v must be 4-D [B, T, H, D]; got q {list(q.shape)}, "
                          f"v {list(v.shape)}")
@@ -48,7 +72,7 @@ def _check_operands(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) ->
     wanted = {"k": ([list(q.shape)], k), "v": ([[b, t, hv, v.shape[3]]], v),
               "g": ([[b, t, hv], [b, t, hv, dk]], g), "beta": ([[b, t, hv]], beta)}
     for name, (shapes, x) in wanted.items():
-        if list(x.shape) not in shapes:
+        if x is not None and list(x.shape) not in shapes:
             raise ShapeError(f"operand '{name}' has shape {list(x.shape)}; expected "
                              + " or ".join(str(s) for s in shapes))
     if hk == 0 or hv % hk:
@@ -334,3 +358,86 @@ def causal_conv1d_update_reference(
         out = torch.nn.functional.silu(out)
     new_state = full[..., full.shape[-1] - width:].to(conv_state.dtype)
     return out.to(x.dtype), new_state
+
+
+# ---- the gated linear recurrence (gdn_fx::gated_linear_scan): no delta erase, no beta ----
+
+def _linear_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                    initial_state: Optional[Tensor]) -> tuple[Tensor, ...]:
+    """Check shapes; expand key heads to value heads; gates to [B, T, Hv, Dk or 1], which
+    broadcast over the key channels; the key-first initial state or zeros."""
+    _check_operands(q, k, v, g)
+    groups = v.shape[2] // q.shape[2]
+    s0 = _initial_state(q, v, initial_state, q.shape[0], state_v_first=False)
+    q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    return q, k, g if g.dim() == 4 else g.unsqueeze(-1), s0
+
+
+def recurrent_linear_reference(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float,
+    initial_state: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """The gated linear recurrence step by step, in the inputs' dtype.
+
+    Per step, with state S [Dk, Dv]: ``S = S * exp(g_t); S = S + k_t v_t^T;
+    o_t = scale * S^T q_t`` (read after the write). g is the log decay, [B, T, Hv] (one per
+    head: Mamba2, lightning, retention) or [B, T, Hv, Dk] (one per key channel: GLA, Mamba1);
+    a gate of -inf is a reset (e^-inf = 0 forgets a finite state). Returns
+    ``(o [B, T, Hv, Dv], final state [B, Hv, Dk, Dv])``; the final state never aliases the
+    initial one. Gradients flow to every input.
+    """
+    q, k, g, state = _linear_prepare(q, k, v, g, initial_state)
+    outs = []
+    for t in range(v.shape[1]):
+        state = state * g[:, t].exp().unsqueeze(-1)
+        state = state + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
+        outs.append(scale * (state * q[:, t].unsqueeze(-1)).sum(dim=-2))
+    if not outs:
+        return v.new_zeros(v.shape), state.clone()
+    return torch.stack(outs, dim=1), state
+
+
+def chunk_linear_reference(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, *, scale: float,
+    initial_state: Optional[Tensor] = None, chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """The gated linear recurrence in chunks of ``chunk_size`` positions (Mamba2's SSD form).
+
+    Per chunk, with c_t the cumulative log gate from its start (per key channel) and S the
+    state before it: ``o_t = scale * ((q_t e^c_t)^T S + sum_{j<=t} (q_t e^(c_t - c_j))^T k_j
+    v_j)`` and ``S' = e^c_C S + sum_j (k_j e^(c_C - c_j)) v_j^T``. Every decay is e^c_t or a
+    ratio e^(c_t - c_j) with j <= t, the product of the gates between (never the unsafe
+    k e^-c), formed per pair and per channel; the cumulative gates are kept in the two exact
+    parts of ``gate_parts``, so a reset (-1e4, -inf) gives a decay of 0, never NaN.
+    """
+    if chunk_size < 1:
+        raise UsageError(f"chunk_size must be >= 1, got {chunk_size}")
+    q, k, g, state = _linear_prepare(q, k, v, g, initial_state)
+    outs = []
+    for a in range(0, v.shape[1], chunk_size):
+        part = slice(a, a + chunk_size)
+        out, state = _linear_chunk(q[:, part], k[:, part], v[:, part], g[:, part], state)
+        outs.append(scale * out)
+    if not outs:
+        return v.new_zeros(v.shape), state.clone()
+    return torch.cat(outs, dim=1), state
+
+
+def _linear_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, state: Tensor
+                  ) -> tuple[Tensor, Tensor]:
+    """One chunk, sequence-major [b, c, h, d] (g [b, c, h, dk or 1]): the unscaled readout
+    and the state after it."""
+    whole, frac = (part.cumsum(dim=1) for part in gate_parts(g))
+    # log decay from step j to step t, [b, t, j, h, dk or 1]: the exact integer difference
+    # plus the difference of fraction sums (a reset never meets -inf - -inf)
+    pairs = (whole[:, :, None] - whole[:, None]) + (frac[:, :, None] - frac[:, None])
+    n = q.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    decay = pairs.masked_fill(~causal[None, :, :, None, None], float("-inf")).exp()
+    scores = (q[:, :, None] * k[:, None] * decay).sum(dim=-1)  # [b, t, j, h]
+    grow = (whole + frac).exp()  # e^c_t: the decay since the chunk began
+    out = (torch.einsum("bthd,bhdv->bthv", q * grow, state)
+           + torch.einsum("btjh,bjhv->bthv", scores, v))
+    tail = ((whole[:, -1:] - whole) + (frac[:, -1:] - frac)).exp()  # e^(c_C - c_j)
+    state = state * grow[:, -1].unsqueeze(-1) + torch.einsum("bjhd,bjhv->bhdv", k * tail, v)
+    return out, state
