@@ -49,7 +49,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*, used below)
 from gdn_fx.passes.evaluator import (SEEDS, TOLERANCE, Float64, Sampler, Verdict,
-                                     copy_constant, evaluable, nearest, rel, wide_problem)
+                                     copy_constant, evaluable, nearest, op_name, rel,
+                                     wide_problem)
 from gdn_fx.passes.program import (ASSERT_META, ATEN, add_node, base_of, dtype, fake_mode_of,
                                    is_mutation, is_pure, is_zeros, positions, reachable, shape,
                                    val, view_writes)
@@ -368,8 +369,12 @@ def _from_first(value, layout):
 
 
 def _rel(a, b) -> float:
-    """evaluator.rel of tensors of one shape (inf for other shapes: a transposed state)."""
-    return rel(a, b) if a.shape == b.shape else float("inf")
+    """evaluator.rel of tensors of one shape (inf for other shapes: a transposed state, and
+    for a value that is no tensor: a region exit that is a list, as Mamba1's split)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or \
+            a.shape != b.shape:
+        return float("inf")
+    return rel(a, b)
 
 
 def _sizes(node: fx.Node, at: Optional[dict] = None) -> list:
@@ -411,6 +416,11 @@ def _layouts(region: Region) -> list:
 
 def decide(region: Region) -> Verdict:
     """The layout under which the region is the update, or the nearest miss."""
+    listed = [n for n in region.exits if not isinstance(n.meta.get("val"), torch.Tensor)]
+    if listed:  # (Mamba1's split of the conv's output into x, B, C, dt: no update's value)
+        return Verdict(reason=f"its value {listed[0].name} ({op_name(listed[0])}, not one "
+                       "tensor) is read outside it; the update hands out its output and state "
+                       "only", region=region)
     module = cut_out(region)
     sampler = Sampler(module, module.graph, lambda gen: _draw(region, gen), "conv",
                       narrowing=True)  # _native runs it at its traced dtypes
