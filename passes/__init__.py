@@ -14,10 +14,12 @@ from typing import Any, Optional, Union, Sequence
 
 import torch
 from torch import fx
+from torch.export.graph_signature import InputKind
 
 from gdn_fx.errors import InternalError
 from gdn_fx.passes import chunk_meaning, conv_meaning, gdn_recurrent, hop
-from gdn_fx.passes.program import finish, graph_module_of, sync_signature_names
+from gdn_fx.passes.program import (LITERAL, finish, graph_module_of, guards_paused, has_dead,
+                                   literal, remove_dead, sync_signature_names)
 from gdn_fx.passes.rebuild import rebuild
 from gdn_fx.passes.result import CHECK_FAILED, VALIDATION_FAILED, CollapseResult, Miss
 from gdn_fx.passes.rule import Rule
@@ -62,7 +64,7 @@ def collapse(program: Any, *, inplace: bool = False, verify: Union[bool, str] = 
     trusts the rules' structural checks alone. ``rules``: the rules to run, in order
     (default ``RULES``); counts are kept per op, each rule adding to its ``op``'s.
     """
-    with _cyclic_gc_paused():
+    with _cyclic_gc_paused(), guards_paused(graph_module_of(program)[0].graph):
         return _collapse(program, inplace, verify, example_inputs,
                          RULES if rules is None else tuple(rules))
 
@@ -85,7 +87,8 @@ def _collapse(program: Any, inplace: bool, verify: bool, example_inputs,
               rules: tuple) -> CollapseResult:
     gm, ep = graph_module_of(program)
     validator = Validator(gm, ep, example_inputs, wide=verify == "wide") if verify else None
-    graph, counts, misses = gm.graph, {}, []
+    planned, kept = _planned(gm, ep)
+    graph, counts, misses = planned, {}, _wrapped_misses(kept, rules)
     for rule in rules:
         fusions, found = rule.plan(graph)
         misses.extend(found)
@@ -102,7 +105,9 @@ def _collapse(program: Any, inplace: bool, verify: bool, example_inputs,
     misses = _still_standing(misses, graph)
     for miss in misses:
         log.debug("near-miss (%s): %s", miss.kind, miss)
-    rewrote = graph is not gm.graph
+    rewrote = graph is not planned
+    if not rewrote:  # wrappers inlined for planning only: the program stays as traced
+        graph = gm.graph
     if not rewrote and not inplace:  # no fusion was made: the input stays untouched
         graph = copy.deepcopy(graph)
     if inplace:
@@ -114,6 +119,67 @@ def _collapse(program: Any, inplace: bool, verify: bool, example_inputs,
     if ep is not None:
         ep = _sync_export(ep, gm, inplace)
     return CollapseResult(gm if ep is None else ep, counts, misses)
+
+
+def _planned(gm: fx.GraphModule, ep) -> tuple[fx.Graph, list]:
+    """The graph the rules plan on, and the wrapper nodes left in it: ``gm.graph`` with its
+    mode wrappers inlined (``with torch.no_grad():`` in a forward: hop.inline_wrappers), and
+    an export's constant inputs that may index one position (``x.index_select(1,
+    torch.tensor([t]))``) marked with their values, which loops.time_read reads (the
+    training IR's fake values keep them, the decompositions' do not). ``gm.graph`` itself
+    when neither applies; values nothing reads (make_fx's detach of each parameter)
+    dropped. The input program is never changed."""
+    graph, kept = hop.inline_wrappers(gm.graph)
+    constants = _index_constants(graph, ep)
+    dead = has_dead(graph)
+    if (constants or dead) and graph is gm.graph:
+        graph = _copied(graph)
+        kept = hop.wrappers(graph)
+    if dead:  # a value nothing reads must not count as a reader of a loop's values
+        remove_dead(graph)
+    for node in graph.find_nodes(op="placeholder") if constants else ():
+        if node.name in constants:
+            node.meta[LITERAL] = constants[node.name]
+    return graph, kept
+
+
+def _index_constants(graph: fx.Graph, ep) -> dict:
+    """Placeholder name -> value, for an export's constant inputs of one integer whose
+    value the graph does not record."""
+    if ep is None:
+        return {}
+    found, places = {}, graph.find_nodes(op="placeholder")
+    for spec, node in zip(ep.graph_signature.input_specs, places):
+        value = ep.constants.get(spec.target) if spec.kind is InputKind.CONSTANT_TENSOR \
+            else None
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and literal(node) is None \
+                and not value.dtype.is_floating_point:
+            found[node.name] = value
+    return found
+
+
+def _copied(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose nodes' metadata can be added to (each node's own dict)."""
+    new = fx.Graph(owning_module=graph.owning_module)
+    out = new.graph_copy(graph, {})
+    new.output(out).meta = dict(next(iter(graph.find_nodes(op="output"))).meta)
+    return new
+
+
+def _wrapped_misses(kept: list, rules: Sequence[Rule]) -> list:
+    """A near-miss for each wrapper left whole (an enabled autocast region) around what a
+    rule would fuse."""
+    misses = []
+    for node in kept:
+        body = hop.wrapper_body(node)
+        for rule in rules if body is not None else ():
+            found = rule.unrolled(body.graph)
+            if found:
+                misses.append(Miss(rule.op, f"{found[0]} inside {hop.describe_wrapper(node)}: "
+                                   "no rule looks inside it, since its ops' dtypes are chosen "
+                                   "when it runs (run_decompositions() spells them out)",
+                                   node=node.name))
+    return misses
 
 
 def _still_standing(misses: list, graph: fx.Graph) -> list:
@@ -132,9 +198,10 @@ def find_unrolled(program: Any, rules: Optional[Sequence[Rule]] = None) -> list[
     node that no rule fused (``scan``, ``while_loop``: passes/hop.py):
     each rule's ``unrolled`` (``rules``: default ``RULES``).
     """
-    gm, _ = graph_module_of(program)
-    return [found for rule in (RULES if rules is None else rules)
-            for found in rule.unrolled(gm.graph)]
+    graph, kept = _planned(*graph_module_of(program))
+    graphs = [graph] + [body.graph for body in map(hop.wrapper_body, kept) if body is not None]
+    return [found for rule in (RULES if rules is None else rules) for g in graphs
+            for found in rule.unrolled(g)]
 
 
 def _sync_export(ep: torch.export.ExportedProgram, gm: fx.GraphModule, inplace: bool):

@@ -42,7 +42,7 @@ from torch import fx
 from gdn_fx.passes.layouts import (Layout, batch_heads, group_features, input_kind,
                                    layouts_for, plan_operands, reference_step)
 from gdn_fx.passes.program import (ASSERT_META, ATEN, base_of, dtype, fake_mode_of, is_mutation,
-                                   is_pure, is_zeros, shape, view_writes)
+                                   is_pure, is_zeros, shape, static_int, view_writes)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
@@ -407,6 +407,7 @@ def _wide(verdict: Verdict, order: dict) -> str:
     """Why the region, the delta rule under the verdict's layout at the ordinary points, is
     not it over the wide domain or breaks its linearity in (v, state) (evaluator.py); ''."""
     (cut, fit), layout = verdict.region, verdict.layout
+    _check_static(cut)
     owner = cut.value.graph.owning_module or torch.nn.Module()
     sampler = Sampler(owner, cut_out(cut, order),
                       lambda gen: [_draw(shape(n), gen) for n in cut.inputs], "chunk")
@@ -603,6 +604,7 @@ def _low_float(cut: Cut) -> str:
 def _sampler(cut: Cut, order: dict) -> tuple[Sampler, list]:
     """The region cut out and its points (reaching both sides of each clamp, where...:
     evaluator.py); NoMatch when it cannot be run so."""
+    _check_static(cut)
     owner = cut.value.graph.owning_module or torch.nn.Module()
     sampler = Sampler(owner, cut_out(cut, order),
                       lambda gen: [_draw(shape(n), gen) for n in cut.inputs], "chunk")
@@ -612,6 +614,18 @@ def _sampler(cut: Cut, order: dict) -> tuple[Sampler, list]:
         raise
     except Exception as error:  # noqa: BLE001 (a region that does not run on its own)
         raise NoMatch(f"the region does not run on its own: {error}") from None
+
+
+def _check_static(cut: Cut) -> None:
+    """A region is run at the sizes it was traced at: one whose sizes are symbolic (a
+    dynamic batch) is refused in words, before a draw fails on them."""
+    for node in cut.inputs:
+        dims = shape(node) or ()
+        symbolic = [d for d in dims if not isinstance(d, int) and static_int(d) is None]
+        if symbolic:
+            raise NoMatch(f"its input {node.name} {list(dims)} has the symbolic size "
+                          f"{symbolic[0]}: the rule runs a chunked region at static sizes "
+                          "only (the recurrent form of the rule fuses with a symbolic batch)")
 
 
 def _evaluate(cut: Cut, fit: Fit, sampler: Sampler, points: list) -> Verdict:

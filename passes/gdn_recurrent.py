@@ -18,21 +18,22 @@ the op's. Translation validation (validate.py) then runs the whole program both 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import fx
 
-from gdn_fx.passes.layouts import Layout, Plan, plan_operands
+from gdn_fx.passes.layouts import Layout, Plan, layouts_for, plan_operands, read_shape
 from gdn_fx.passes.loop_outputs import gather
-from gdn_fx.passes.loops import (Cluster, Loop, Step, cut_steps, descendants_in, find_clusters,
-                                 state_like, step_candidates, tag_window, walk_body)
-from gdn_fx.passes.program import fake_mode_of, is_pure, mutates, positions, shape
+from gdn_fx.passes.loops import (Cluster, Loop, Step, concrete_step, cut_steps, descendants_in,
+                                 find_clusters, size_points, state_like, step_candidates,
+                                 symbols, tag_window, walk_body)
+from gdn_fx.passes.program import fake_mode_of, hint, is_pure, mutates, positions, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
-from gdn_fx.passes.evaluator import Verdict
+from gdn_fx.passes.evaluator import TOLERANCE, Verdict
 from gdn_fx.passes.step_meaning import decide
 
 LOOP_LIKE = 3  # a loop reading this many tensors position by position gets a near-miss
@@ -141,11 +142,27 @@ def _recurrence(cluster: Cluster, tags: dict, outs: list, order: dict) -> Recurr
     region = ScanRegion({n for step in loop.steps for n in step.body}, gathered.value,
                         gathered.axis, last.state_out, outs[0], gathered.erase)
     _check_leaks(loop, region)
-    plan = plan_operands(layout, loop.groups, loop.steps[0].state_in, shape(gathered.value),
-                         gathered.axis, loop.length)
+    first = loop.steps[0]
+    plan = plan_operands(symbolic_layout(layout, first.state_in, first.out, loop.groups),
+                         loop.groups, first.state_in, shape(gathered.value), gathered.axis,
+                         loop.length)
     region.out_steps, region.final_steps = plan.out_steps, plan.final_steps
     check_dtypes(region, plan.operands)
     return Recurrence(region, plan, loop.length)
+
+
+def symbolic_layout(layout: Layout, state: fx.Node, out: fx.Node, groups: list) -> Layout:
+    """``layout``, decided at concrete sizes, with the loop's own sizes (symbolic where they
+    are: the operands' permutes and reshapes then hold for every batch); as it is where
+    every size is static. A size-1 axis is told by its traced size, as the layout was."""
+    if not symbols([state, out] + [g[0] for g in groups]):
+        return layout
+    lead = len(shape(state)) - 2
+    features = tuple([d for d in read_shape(g)[lead:] if hint(d) != 1] for g in groups)
+    heads = layout.key_heads if layout.key_heads is None else \
+        read_shape(groups[layout.roles["q"]])[lead - 1]
+    return replace(layout, features=features, state_shape=tuple(shape(state)),
+                   out_shape=tuple(shape(out)), key_heads=heads)
 
 
 def _check_reads(steps: list) -> None:
@@ -210,7 +227,7 @@ def _ending_with(last: Step, final, loop: Loop, t: int, tags: dict, cluster: Clu
     step = Step(t, last.state_in, final, last.out, reads, sorted(body, key=order.__getitem__),
                 [c for c in consts if c is not last.state_in])
     try:
-        return step, decide(step, final, loop.groups, layout, search=layout is None)
+        return step, decide_sized(step, final, loop.groups, layout, search=layout is None)
     except NoMatch as err:
         return step, err
 
@@ -231,6 +248,60 @@ def _nearest_miss(last: Step, candidates: list, loop: Loop, t, tags, cluster, or
                                   node=last.out, step=t)
 
 
+def decide_sized(step: Step, final: Optional[fx.Node], groups: list, expect=None,
+                 search: bool = True) -> Verdict:
+    """``step_meaning.decide``; where the loop's sizes are symbolic (a dynamic batch), at
+    concrete sizes (loops.concrete_step): at the traced ones, then at others, where the
+    step must be the delta rule in the same layout with the same scale (a region whose
+    meaning changes with the batch, a reshape that only lines up at the traced size or an
+    output divided by it, does not fuse). The verdict is the traced sizes' one."""
+    points = size_points(step, groups)
+    if not points:
+        return decide(step, final, groups, expect, search)
+    twin, twin_final, twin_groups = concrete_step(step, final, groups, points[0])
+    verdict = decide(twin, twin_final, twin_groups, expect, search)
+    if verdict.layout is None or len(points) < 2:
+        return verdict
+    twin, twin_final, twin_groups = concrete_step(step, final, groups, points[1])
+    moved = _moved(verdict.layout, twin, twin_groups)
+    other = decide(twin, twin_final, twin_groups, moved) if moved else None
+    why = _differs(verdict.layout, moved, other)
+    if why:
+        sizes = ", ".join(f"{s} = {v}" for s, v in sorted(points[1].items(), key=str))
+        traced = ", ".join(f"{s} = {v}" for s, v in sorted(points[0].items(), key=str))
+        return Verdict(None, TWICE, TWICE, nearest=verdict.layout,
+                       reason=f"it is the delta rule at the traced sizes ({traced}), not at "
+                              f"{sizes}: {why}")
+    return verdict
+
+
+def _differs(layout: Layout, moved: Optional[Layout], other: Optional[Verdict]) -> str:
+    """Why the verdict at other sizes is not ``layout``'s (``moved`` there), in words; ''."""
+    if moved is None:
+        return "its shapes there allow no such layout"
+    if other.layout is None:
+        return other.reason or other.off_by()
+    if not other.layout.same_as(moved):
+        return f"there it is the delta rule in another layout ({other.layout.describe()})"
+    if abs(other.layout.scale - layout.scale) > TOLERANCE * abs(layout.scale):
+        return f"its output scale there is {other.layout.scale:.6g}, not {layout.scale:.6g}"
+    return ""
+
+
+TWICE = 2e-9  # the error a verdict refused at other sizes reports (over the tolerance)
+
+
+def _moved(layout: Layout, twin: Step, groups: list) -> Optional[Layout]:
+    """``layout`` (made at other sizes) at the sizes of ``twin``: the same roles, state
+    orientation, gate kind and head map, the same scale and norm."""
+    for other in layouts_for(shape(twin.state_in), groups, shape(twin.out)):
+        if (other.roles, other.key_first, other.log_gate, other.tiled) == \
+                (layout.roles, layout.key_first, layout.log_gate, layout.tiled) and \
+                (other.key_heads is None) == (layout.key_heads is None):
+            return replace(other, scale=layout.scale, qk_l2norm=layout.qk_l2norm)
+    return None
+
+
 def _not_delta(step: Step, verdict: Verdict) -> str:
     return f"step {step.t} is not the delta rule: {verdict.reason}"
 
@@ -247,7 +318,7 @@ def _check_steps(loop: Loop):
         if t + 1 < len(steps) - 1 and (t > 0 or _same_meta(step.state_in, steps[1].state_in)) \
                 and _same_step(step, steps[t + 1]):
             continue
-        verdict = decide(step, step.state_out, loop.groups, layout)
+        verdict = decide_sized(step, step.state_out, loop.groups, layout)
         if verdict.layout is None:
             raise NoMatch(_not_delta(step, verdict), node=step.out, step=t)
         if layout is None:

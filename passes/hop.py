@@ -8,6 +8,10 @@ find loops as chains of steps, never see it, and torch-to-nnef cannot trace it.
 meaning, as one step of an unrolled loop is) and leaves a near-miss naming every other looping
 node; ``find_unrolled`` reports what is left (``hop_unrolled``) and the lowering refuses it
 in one line (``loop_hops``, ``describe``) instead of failing inside torch-to-nnef.
+
+The training IR also keeps ``with torch.no_grad():`` or ``torch.autocast`` inside a forward as
+one wrapper node around a body; ``inline_wrappers`` copies the bodies that compute the same
+values outside it into the graph the rules plan on (passes/__init__._planned).
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ import operator
 import torch
 from torch import fx
 
+from gdn_fx.passes.gdn_recurrent import decide_sized, symbolic_layout
 from gdn_fx.passes.layouts import plan_operands
 from gdn_fx.passes.loops import Step
-from gdn_fx.passes.program import ATEN, fake_mode_of, positions, shape, val
+from gdn_fx.passes.program import (ATEN, attribute, fake_mode_of, positions, shape, static_int,
+                                   val)
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
-from gdn_fx.passes.step_meaning import decide
 
 
 # The higher-order operators that repeat a body (torch._higher_order_ops).
@@ -137,13 +142,114 @@ def _step_of(body: fx.GraphModule, state: fx.Node, xs: list):
 def _scan_fusion(graph: fx.Graph, node: fx.Node, order: dict):
     body, state, xs, final, ys = _scan_parts(graph, node)
     step, new_state, groups = _step_of(body, state, xs)
-    verdict = decide(step, new_state, groups)
+    verdict = decide_sized(step, new_state, groups)
     if verdict.layout is None:
         raise NoMatch(f"its body is not one delta-rule step ({verdict.reason})", node=node)
-    length = shape(ys)[0]
-    plan = plan_operands(verdict.layout, [(x, 0) for x in xs], state, shape(ys), 0, length)
+    length = static_int(shape(ys)[0])
+    if length is None:
+        raise NoMatch(f"it scans a symbolic length {shape(ys)[0]}", node=node)
+    layout = symbolic_layout(verdict.layout, step.state_in, step.out, groups)
+    plan = plan_operands(layout, [(x, 0) for x in xs], state, shape(ys), 0, length)
     region = ScanRegion({node} | set(node.users), ys, 0, final, node,
                         out_steps=plan.out_steps, final_steps=plan.final_steps)
     check_dtypes(region, plan.operands)
     mode = fake_mode_of(graph, plan.operands.nodes.values())
     return plan_scan(region, plan.operands, order, mode)
+
+
+# --- wrappers that only set a mode around a body ---------------------------------------------
+
+def _wrapper(name: str):
+    return getattr(torch.ops.higher_order, name, None)
+
+
+# target -> index of the body among its arguments (the operands follow it)
+WRAPPERS = {op: index for op, index in ((_wrapper("wrap_with_set_grad_enabled"), 1),
+                                        (_wrapper("wrap_with_autocast"), 4)) if op is not None}
+
+
+def wrappers(graph: fx.Graph) -> list[fx.Node]:
+    """The wrapper nodes of ``graph`` (``with torch.no_grad():`` or ``torch.autocast`` inside
+    a module's forward, as the training IR keeps them), found by target."""
+    return [n for op in WRAPPERS for n in graph.find_nodes(op="call_function", target=op)]
+
+
+def inlinable(node: fx.Node) -> bool:
+    """Whether the wrapper's body computes the same values outside it. Grad mode changes no
+    value (only what autograd records, and the collapsed program is for inference). A
+    disabled autocast region is inlined only where no enabled one is around it: the
+    wrappers are inlined from the top, and an enabled one is kept whole with its body (its
+    ops' dtypes are chosen when it runs), so a disabled one inlined is under no autocast
+    (the program runs as traced, outside any autocast of its caller)."""
+    if node.target is _wrapper("wrap_with_autocast"):
+        return node.args[2] is False
+    return node.target in WRAPPERS
+
+
+def inline_wrappers(graph: fx.Graph) -> tuple[fx.Graph, list[fx.Node]]:
+    """``graph`` with every inlinable wrapper replaced by its body's nodes (a new graph;
+    ``graph`` itself when there is none), and the wrappers kept (in the new graph)."""
+    found = wrappers(graph)
+    if not any(inlinable(n) for n in found):
+        return graph, found
+    new = fx.Graph(owning_module=graph.owning_module)
+    try:
+        out = _copy_inlined(new, graph, {}, "")
+    except NoMatch:  # a body held otherwise than as a graph: nothing is inlined
+        return graph, found
+    new.output(out).meta = dict(next(iter(graph.find_nodes(op="output"))).meta)
+    for node in [n for n in new.nodes if n.op == "get_attr" and not n.users]:
+        new.erase_node(node)  # the bodies inlined
+    return new, wrappers(new)
+
+
+def _copy_inlined(new: fx.Graph, graph: fx.Graph, env: dict, prefix: str):
+    """Copy ``graph``'s nodes into ``new`` (``env``: its placeholders already mapped when it
+    is a body), inlining wrappers; returns what its output node hands out."""
+    for node in graph.nodes:
+        if node in env:
+            continue
+        if node.op == "output":
+            return fx.node.map_arg(node.args[0], env.__getitem__)
+        if node.op == "call_function" and inlinable(node):
+            env[node] = _inlined(new, node, env, prefix)
+        elif node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]  # an output of an inlined body
+        else:
+            env[node] = new.node_copy(node, env.__getitem__)
+            if node.op == "get_attr":  # a body's attribute, seen from the root module
+                env[node].target = prefix + node.target
+    return None
+
+
+def _inlined(new: fx.Graph, node: fx.Node, env: dict, prefix: str):
+    """The nodes of ``node``'s body, copied into ``new`` reading the wrapper's operands;
+    what the body hands out (a tuple of nodes, as the wrapper's getitems read it)."""
+    at = WRAPPERS[node.target]
+    body = wrapper_body(node)
+    if body is None or node.kwargs:
+        raise NoMatch(f"the body of {node.name} is not a graph the pass can read", node=node)
+    places = [n for n in body.graph.nodes if n.op == "placeholder"]
+    inner = {p: fx.node.map_arg(a, env.__getitem__) for p, a in zip(places, node.args[at + 1:])}
+    out = _copy_inlined(new, body.graph, inner, f"{prefix}{node.args[at].target}.")
+    return tuple(out) if isinstance(out, (list, tuple)) else out
+
+
+def wrapper_body(node: fx.Node):
+    """The body GraphModule of a wrapper node (also one inlined from another body, whose
+    attribute is a dotted path), or None."""
+    holder = node.args[WRAPPERS[node.target]]
+    owner = node.graph.owning_module
+    if owner is None or getattr(holder, "op", None) != "get_attr":
+        return None
+    body = attribute(owner, holder.target)
+    return body if isinstance(body, fx.GraphModule) else None
+
+
+def describe_wrapper(node: fx.Node) -> str:
+    """``torch.autocast('cpu', torch.bfloat16) region (wrap_with_autocast at node w)``."""
+    if node.target is _wrapper("wrap_with_autocast"):
+        what = f"torch.autocast({node.args[0]!r}, {node.args[1]}) region"
+    else:
+        what = f"torch.set_grad_enabled({node.args[0]}) region"
+    return f"a {what} ({node.target.name()} at node {node.name})"

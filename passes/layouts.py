@@ -30,7 +30,7 @@ from torch import fx
 
 from gdn_fx.passes.bounds import bounds
 from gdn_fx.passes.operands import Operands, scan_operands, _peel_casts
-from gdn_fx.passes.program import ATEN, shape
+from gdn_fx.passes.program import ATEN, same_sizes, shape
 from gdn_fx.passes.result import NoMatch
 from gdn_fx.reference import l2norm
 
@@ -229,7 +229,7 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
     ops = scan_operands({r: s for r, (s, _) in sources.items()}, state, head_major=head_major)
     ops.scale *= layout.scale
     b, h = batch_heads(layout.state_shape)
-    hk = layout.key_heads or h
+    hk = h if layout.key_heads is None else layout.key_heads  # (no bool() of a SymInt)
     wants = {role: [b, length, hk if role in ("q", "k") else h] + ([] if role == "beta" else
              list(layout.features[layout.roles[role]])) for role in sources}
     odd = {role for role, (source, time_axis) in sources.items()
@@ -302,7 +302,7 @@ def _standard(source: fx.Node, time_axis: int, head_major: bool, want: list) -> 
         return False
     if head_major:
         dims[1], dims[2] = dims[2], dims[1]
-    return dims == want
+    return same_sizes(dims, want)
 
 
 def _adapt(dims, time_axis: int, want: list) -> list:
@@ -310,9 +310,9 @@ def _adapt(dims, time_axis: int, want: list) -> list:
     one transpose where the tensor is [B, T, H, ..] or [B, H, T, ..] already (a loop's q and
     k are undone together when one of them is odd, and tiled heads are undone always)."""
     rank = len(dims)
-    if list(dims) == want and time_axis == 1:
+    if same_sizes(dims, want) and time_axis == 1:
         return []
-    if rank >= 3 and time_axis == 2 and [dims[0], dims[2], dims[1], *dims[3:]] == want:
+    if rank >= 3 and time_axis == 2 and same_sizes([dims[0], dims[2], dims[1], *dims[3:]], want):
         return [(ATEN.transpose.int, (1, 2))]
     first = [time_axis] + [i for i in range(rank) if i != time_axis]
     steps = [(ATEN.permute.default, (first,))]
@@ -326,7 +326,7 @@ def _out_steps(layout: Layout, value_shape, axis: int, length: int, b: int, h: i
     """From the op's [B, T, H, Dv] output to the region's gathered value."""
     standard = [b, h, dv]
     standard.insert(axis, length)
-    if list(layout.out_shape) == [b, h, dv] and list(value_shape) == standard and \
+    if same_sizes(layout.out_shape, [b, h, dv]) and same_sizes(value_shape, standard) and \
             len(layout.state_shape) == 4:
         return None  # scan_fusion moves the time axis with one permute
     rank = len(layout.out_shape) + 1

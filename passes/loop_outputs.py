@@ -7,7 +7,9 @@ Four encodings reach us, one per way of exporting ``buf[:, :, t] = out_t`` or a 
     stack:     stack([out_0, ..., out_T-1], axis)  or  cat([unsqueeze(out_t, axis)...], axis)
                or cat([out_t...], axis) of values with a size-1 axis there (bmm outputs)
     one step:  unsqueeze(out_0, axis) (a decode step's "stack of one")
-A buffer position is a select, or a size-1 slice ``buf[:, t:t+1]`` (slice_scatter to write).
+A buffer position is a select, or a size-1 slice ``buf[:, t:t+1]`` (slice_scatter to write),
+maybe through full slices ``buf[:, :]`` (and the slice_scatters writing them back) that
+torch.export adds when sizes are symbolic.
 Every position 0..T-1 must be written exactly once, in order, so the buffer's initial content
 never shows; the gathered value is then exactly the fused op's output along ``axis``.
 """
@@ -19,7 +21,8 @@ from typing import Optional
 
 from torch import fx
 
-from gdn_fx.passes.program import ASSERT_META, ATEN, mutates, shape
+from gdn_fx.passes.program import (ASSERT_META, ATEN, BIG, full_slice, mutates, same_sizes,
+                                   shape, unsliced)
 from gdn_fx.passes.result import NoMatch
 
 STACKS = (ATEN.stack.default, ATEN.cat.default)
@@ -71,7 +74,7 @@ def _position(node: fx.Node) -> Optional[int]:
 
 def _time_select(node, buf, axis, t, step) -> int:
     """Check ``node`` is buffer position t along ``axis``; return the axis (normalized)."""
-    if _position(node) is None or node.args[0] is not buf:
+    if _position(node) is None or unsliced(node.args[0]) is not buf:
         raise NoMatch(f"step {step} writes through {node.name}, not a position of the buffer",
                       node=node, step=step)
     dim, index = node.args[1] % len(shape(buf)), _position(node)
@@ -88,11 +91,11 @@ def _in_place(outs: list[fx.Node], order: dict) -> Gathered:
         if write.target is not ATEN.copy_.default or write.args[1] is not out or write.users:
             raise NoMatch(f"step {t} output is not written with copy_", node=write, step=t)
         view = write.args[0]
-        buf = view.args[0] if buf is None else buf
+        buf = unsliced(view.args[0]) if buf is None else buf
         axis = _time_select(view, buf, axis, t, t)
         if len(view.users) != 1:
             raise NoMatch("the buffer slice is read besides the write", node=view, step=t)
-        erase += [write, view]
+        erase += [write, view] + _only_slices(view.args[0])
     _check_buffer(buf, axis, len(outs))
     _check_fresh(buf)
     last = max(order[n] for n in erase)
@@ -153,7 +156,7 @@ def _functional(outs: list[fx.Node]) -> Gathered:
         view = copy.args[0]
         if copy.target is not ATEN.copy.default or copy.args[1] is not out:
             raise NoMatch(f"step {t} output is not written with copy", node=copy, step=t)
-        buf = view.args[0] if buf is None else buf
+        buf = unsliced(view.args[0]) if buf is None else buf
         axis = _time_select(view, buf, axis, t, t)
         if t == 0:
             _check_buffer(buf, axis, len(outs))
@@ -164,17 +167,69 @@ def _functional(outs: list[fx.Node]) -> Gathered:
 def _next_buffer(copy: fx.Node, buf: fx.Node, axis: int, t: int, length: int) -> fx.Node:
     """The buffer value after step t's write (select_scatter or the core-aten where form)."""
     user = _only_user(copy, t)
-    if user.target in (ATEN.select_scatter.default, ATEN.slice_scatter.default):
-        if user.args[0] is not buf or user.args[2] % len(shape(buf)) != axis or user.args[3] != t:
+    if user.target in SCATTERS:
+        if unsliced(user.args[0]) is not buf or user.args[2] % len(shape(buf)) != axis \
+                or user.args[3] != t:
             raise NoMatch(f"{user.name} writes another buffer or position", node=user, step=t)
         nxt = user
     else:
         nxt = _where_write(user, buf, axis, t, length)
+    nxt = _whole(nxt, buf)
     if t < length - 1:
-        readers = [u for u in nxt.users if _position(u) is not None]
-        if len(nxt.users) != 2 or len(readers) != 1:
+        readers = _readers(nxt)
+        positions = [u for u in readers if _position(u) is not None]
+        writes = [u for u in readers if _writes(u, nxt)]
+        if len(positions) != 1 or not writes or len(positions) + len(writes) != len(readers):
             raise NoMatch(f"the buffer after step {t} is read outside the loop", node=nxt, step=t)
     return nxt
+
+
+SCATTERS = (ATEN.select_scatter.default, ATEN.slice_scatter.default)
+
+
+def _writes(user: fx.Node, buf: fx.Node) -> bool:
+    """``user`` writes into ``buf`` (a scatter or core aten's where), seen through slices."""
+    if user.target in SCATTERS:
+        return unsliced(user.args[0]) is buf
+    return user.target is ATEN.where.self and unsliced(user.args[2]) is buf
+
+
+def _whole(node: fx.Node, buf: fx.Node) -> fx.Node:
+    """The buffer written as a whole: ``slice_scatter(buf, node)`` over every position of
+    an axis, one per full slice ``buf[:, :]`` the write went through (torch.export writes
+    them when sizes are symbolic), else ``node``."""
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.target is not ATEN.slice_scatter.default or user.args[1] is not node or \
+                unsliced(user.args[0]) is not buf or not full_slice_args(user):
+            break
+        node = user
+    return node
+
+
+def full_slice_args(scatter: fx.Node) -> bool:
+    """A slice_scatter whose slice covers its whole axis."""
+    start, end, step = (list(scatter.args[3:]) + [0, None, 1][len(scatter.args) - 3:])[:3]
+    return start in (0, None) and step == 1 and (end is None or (type(end) is int and
+                                                                 end >= BIG))
+
+
+def _readers(node: fx.Node) -> list:
+    """The users of ``node``, seen through full slices."""
+    found = []
+    for user in node.users:
+        found += _readers(user) if full_slice(user) else [user]
+    return found
+
+
+def _only_slices(view_source: fx.Node) -> list:
+    """The full slices between a buffer and one write's view, when only that view reads
+    them (erased with it)."""
+    found = []
+    while full_slice(view_source) and len(view_source.users) == 1:
+        found.append(view_source)
+        view_source = view_source.args[0]
+    return found
 
 
 def _where_write(unsq: fx.Node, buf: fx.Node, axis: int, t: int, length: int) -> fx.Node:
@@ -184,7 +239,7 @@ def _where_write(unsq: fx.Node, buf: fx.Node, axis: int, t: int, length: int) ->
     expand = _only_user(unsq, t)
     where = _only_user(expand, t) if expand.target is ATEN.expand.default else expand
     if (where.target is not ATEN.where.self or where.args[1] is not expand
-            or where.args[2] is not buf):
+            or unsliced(where.args[2]) is not buf):
         raise NoMatch("the step output is not merged with where", node=where, step=t)
     if _where_position(where.args[0], axis, len(shape(buf))) != (t, length):
         raise NoMatch(f"the where mask does not select position {t} of {length}", node=where,
@@ -235,7 +290,8 @@ def _cat_then_view(cat: fx.Node, outs: list[fx.Node]) -> tuple[fx.Node, int]:
     axis = (cat.args[1] if len(cat.args) > 1 else 0) % len(each)
     view = next(iter(cat.users)) if len(cat.users) == 1 else None
     stacked = each[:axis] + [len(outs)] + each[axis:]
-    if view is None or view.target is not ATEN.view.default or list(view.args[1]) != stacked:
+    if view is None or view.target is not ATEN.view.default or \
+            not same_sizes(list(view.args[1]), stacked):
         raise NoMatch("the step outputs are concatenated, not stacked", node=cat)
     return view, axis
 

@@ -4,7 +4,10 @@ A Python loop ``for t in range(T)`` traced by torch.export leaves two marks that
 of the body removes:
 
 - *time reads*: each tensor the loop walks is read one position at a time, ``x[:, :, t]``
-  (select), ``x[:, t:t+1]`` (a size-1 slice), ``x.unbind(1)[t]`` or ``x.split(1, 1)[t]``;
+  (select), ``x[:, t:t+1]`` (a size-1 slice), ``x.narrow(1, t, 1)``, ``x.unbind(1)[t]``,
+  ``x.split(1, 1)[t]``, ``x.tensor_split(T, 1)[t]``, ``x.index_select(1, i)`` or ``x[:, i]``
+  with ``i`` a literal index tensor of one element; the time axis's size is static, the
+  others may be symbolic;
 - a *carried state*: step t's result S_{t+1} is computed from S_t and step t's reads only.
 
 This module finds both and cuts the loop into steps: step t's body is everything between its
@@ -24,12 +27,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+import torch
 from torch import fx
 
-from gdn_fx.passes.program import ATEN, dtype, mutates, reachable, shape
+from gdn_fx.passes.program import (ATEN, dtype, literal, mutates, reachable, same_sizes, shape,
+                                   static_int, unsliced)
 from gdn_fx.passes.result import NoMatch
 
-SPLITS = (ATEN.split.Tensor, ATEN.split_with_sizes.default, ATEN.unbind.int)
+SPLITS = (ATEN.split.Tensor, ATEN.split_with_sizes.default, ATEN.unbind.int,
+          ATEN.tensor_split.sections, ATEN.tensor_split.indices)
 WRITES = (ATEN.copy_.default, ATEN.copy.default)  # buffer writes: copy(buffer slice, value)
 MARGIN = 48  # nodes past the last step's first time read that still belong to the loop
 
@@ -43,7 +49,11 @@ class TimeRead(NamedTuple):  # (a frozen dataclass took 1 us to make, on every r
     keepdim: bool
 
 
-READS = (ATEN.select.int, ATEN.slice.Tensor, operator.getitem)
+# Every view torch keeps in some IR that reads one position: x[:, t] (select), x[:, t:t+1]
+# (slice), x.narrow(1, t, 1), pieces of unbind / split / tensor_split, and x.index_select(1,
+# i) or x[:, i] with i a literal index tensor of one element (index_select, index).
+READS = (ATEN.select.int, ATEN.slice.Tensor, ATEN.narrow.default, ATEN.index_select.default,
+         ATEN.index.Tensor, operator.getitem)
 READ_TARGETS = frozenset(READS)  # a set: find_clusters screens every node of the graph
 
 
@@ -51,47 +61,100 @@ def time_read(node: fx.Node) -> Optional[TimeRead]:
     """The position a node reads, when it reads one position of a tensor along one axis."""
     if node.op != "call_function" or node.target not in READS:
         return None
-    if node.target is ATEN.select.int:
-        return _read(node.args[0], node.args[1], node.args[2], False)
-    if node.target is ATEN.slice.Tensor and len(node.args) >= 4:
-        step = node.args[4] if len(node.args) > 4 else 1
-        src, axis, start, end = node.args[:4]
-        dims = shape(src)
-        if step != 1 or dims is None or not all(isinstance(x, int) for x in (axis, start, end)):
-            return None
-        size = dims[axis]
-        start = start + size if start < 0 else start
-        end = min(end + size if end < 0 else end, size)
-        return _read(src, axis, start, True) if end - start == 1 else None
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        parent = node.args[0]
-        if parent.op == "call_function" and parent.target in SPLITS and _unit_split(parent):
-            axis = parent.args[1] if len(parent.args) > 1 else parent.kwargs.get("dim", 0)
-            if parent.target is not ATEN.unbind.int:
-                axis = parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0)
-            return _read(parent.args[0], axis, node.args[1], parent.target is not ATEN.unbind.int)
+    target, args = node.target, node.args
+    if target is ATEN.select.int:
+        return _read(args[0], args[1], args[2], False)
+    if target is ATEN.slice.Tensor and len(args) >= 4:
+        return _slice_read(args)
+    if target is ATEN.narrow.default:  # narrow(x, axis, start, length)
+        return _read(args[0], args[1], args[2], True) if args[3] == 1 else None
+    if target in (ATEN.index_select.default, ATEN.index.Tensor):
+        return _index_read(node)
+    if target is operator.getitem and isinstance(args[0], fx.Node):
+        return _piece_read(args[0], args[1])
     return None
 
 
+def _slice_read(args: tuple) -> Optional[TimeRead]:
+    step = args[4] if len(args) > 4 else 1
+    src, axis, start, end = args[:4]
+    dims = shape(src)
+    if step != 1 or dims is None or not all(isinstance(x, int) for x in (axis, start, end)):
+        return None
+    size = static_int(dims[axis])
+    if size is None:
+        return None
+    start = start + size if start < 0 else start
+    end = min(end + size if end < 0 else end, size)
+    return _read(src, axis, start, True) if end - start == 1 else None
+
+
+def _index_read(node: fx.Node) -> Optional[TimeRead]:
+    """x.index_select(axis, i), or x[..., i] (index with one index tensor, None elsewhere),
+    where i is a literal of one integer: a 1-element index keeps the axis, a 0-d one drops
+    it."""
+    src, axis, index = node.args if node.target is ATEN.index_select.default else \
+        (node.args[0], *_one_index(node.args[1]))
+    found = literal(index) if isinstance(index, fx.Node) else None
+    if found is None or found.numel() != 1 or found.dtype.is_floating_point or \
+            found.dtype in (torch.bool, torch.uint8):  # (masks, not positions)
+        return None
+    keep = node.target is ATEN.index_select.default or found.dim() > 0
+    return _read(src, axis, int(found.reshape(())), keep)
+
+
+def _one_index(indices) -> tuple:
+    """(axis, index) of an index list holding one index tensor (None elsewhere)."""
+    given = [(i, x) for i, x in enumerate(indices or ()) if x is not None]
+    return given[0] if len(given) == 1 else (None, None)
+
+
+def _piece_read(parent: fx.Node, index) -> Optional[TimeRead]:
+    """Piece ``index`` of an unbind, or of a split / tensor_split into pieces of size 1."""
+    if parent.op != "call_function" or parent.target not in SPLITS or not _unit_split(parent):
+        return None
+    if parent.target is ATEN.unbind.int:
+        axis = parent.args[1] if len(parent.args) > 1 else parent.kwargs.get("dim", 0)
+    else:
+        axis = parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("dim", 0)
+    return _read(parent.args[0], axis, index, parent.target is not ATEN.unbind.int)
+
+
 def _unit_split(node: fx.Node) -> bool:
-    """unbind, or a split into pieces of size 1."""
+    """unbind, or a split (or tensor_split) into pieces of size 1."""
     if node.target is ATEN.unbind.int:
         return True
     sizes = node.args[1] if len(node.args) > 1 else None
     if node.target is ATEN.split.Tensor:
         return sizes == 1
-    return isinstance(sizes, (list, tuple)) and all(s == 1 for s in sizes)
+    if node.target is ATEN.split_with_sizes.default:
+        return isinstance(sizes, (list, tuple)) and all(s == 1 for s in sizes)
+    dims, axis = shape(node.args[0]), node.args[2] if len(node.args) > 2 else 0
+    size = static_int(dims[axis]) if dims is not None and isinstance(axis, int) else None
+    if size is None:
+        return False
+    if node.target is ATEN.tensor_split.sections:  # n sections of a size-n axis
+        return sizes == size
+    return list(sizes) == list(range(1, size))  # cut before every position
 
 
 def _read(src, axis, t, keepdim) -> Optional[TimeRead]:
+    """A read of position ``t`` along ``axis``, whose size must be static (a loop unrolled
+    over it); the other sizes may be symbolic (a dynamic batch). A source seen through full
+    slices (``x[:, :]``, which torch.export writes when sizes are symbolic) is the tensor
+    itself."""
     if not isinstance(src, fx.Node) or not isinstance(t, int) or not isinstance(axis, int):
         return None
+    src = unsliced(src)
     dims = shape(src)
-    if not dims or not all([isinstance(d, int) for d in dims]):  # (a list: no generator)
+    if not dims:
         return None
     axis %= len(dims)
-    t = t + dims[axis] if t < 0 else t
-    return TimeRead(src, axis, t, keepdim) if 0 <= t < dims[axis] else None
+    size = static_int(dims[axis])
+    if size is None:
+        return None
+    t = t + size if t < 0 else t
+    return TimeRead(src, axis, t, keepdim) if 0 <= t < size else None
 
 
 def _is_write_target(node: fx.Node) -> bool:
@@ -156,7 +219,7 @@ def find_clusters(graph: fx.Graph, order: dict) -> list[Cluster]:
     spans = []
     for reads in by_group.values():
         for episode in _episodes(reads):
-            length = shape(episode[0][1].source)[episode[0][1].axis]
+            length = static_int(shape(episode[0][1].source)[episode[0][1].axis])
             spans.append((length, dict(episode), *_window(dict(episode), order, length)))
     spans.sort(key=lambda s: (s[0], s[2]))
     clusters: list[Cluster] = []
@@ -296,7 +359,8 @@ def step_candidates(cluster: Cluster, tags: dict, order: dict) -> list[list[fx.N
 
 def _like(candidates: list, previous: fx.Node) -> list:
     """The candidates computed like the step before's value (op and shape), else all."""
-    same = [c for c in candidates if c.target == previous.target and shape(c) == shape(previous)]
+    same = [c for c in candidates if c.target == previous.target and
+            same_sizes(shape(c), shape(previous))]
     return same or candidates
 
 
@@ -352,7 +416,7 @@ def state_like(node: fx.Node, like: Optional[fx.Node] = None) -> bool:
     dims, kind = shape(node), dtype(node)
     if dims is None or kind is None or not kind.is_floating_point or len(dims) < 2:
         return False
-    return like is None or (dims == shape(like) and kind == dtype(like))
+    return like is None or (same_sizes(dims, shape(like)) and kind == dtype(like))
 
 
 def descendants_in(start: fx.Node, tags: dict, t: int) -> set:
@@ -398,3 +462,127 @@ def _incoming_state(t: int, earlier: list, consts: list, like: fx.Node, body: se
         raise NoMatch(f"step 0 reads {len(shaped)} matrix-shaped values from before the loop "
                       f"({what}); a recurrence step reads one initial state", node=like, step=0)
     return shaped[0]
+
+
+# --- a step at concrete sizes ----------------------------------------------------------------
+# A loop whose batch (or heads, or widths) is symbolic is decided at concrete sizes: its
+# step is copied into a small graph of its own where every size is a number (each symbol at
+# a given value) and run there, as a step of a static loop is. Its time axis is static.
+
+def symbols(nodes) -> set:
+    """The symbols in the sizes of ``nodes``' values."""
+    found = set()
+    for node in nodes:
+        for size in shape(node) or ():
+            if isinstance(size, torch.SymInt):
+                found |= size.node.expr.free_symbols
+    return found
+
+
+def size_points(step: Step, groups: list) -> list[dict]:
+    """Values of the symbols in the step's sizes to decide it at: the traced ones (the
+    hints), then each one larger (or smaller, where its range ends there) so that a region
+    whose meaning changes with the size shows; [] when every size is static."""
+    found = symbols([step.state_in, step.out] + [source for source, _ in groups])
+    if not found:
+        return []
+    env = next(s for n in [step.state_in] + [g[0] for g in groups] for s in shape(n) or ()
+               if isinstance(s, torch.SymInt)).node.shape_env
+    hints, moved = {}, {}
+    for symbol in found:
+        value = env.backed_var_to_val.get(symbol)
+        if value is None:
+            raise NoMatch(f"the size {symbol} of the loop's tensors depends on data; the "
+                          "step cannot be run at a size", node=step.out, step=step.t)
+        bounds = env.var_to_range.get(symbol)
+        hints[symbol] = int(value)
+        moved[symbol] = int(value) + 1 if bounds is None or value + 1 <= bounds.upper \
+            else max(int(value) - 1, int(bounds.lower))
+    return [hints] + ([moved] if moved != hints else [])
+
+
+def concrete(size, at: dict) -> Optional[int]:
+    """A size (int or SymInt) with each symbol at its value in ``at``, or at its traced
+    value where ``at`` has none (a size from outside the loop's tensors); None where one
+    has neither (a size that depends on data)."""
+    if type(size) is int:
+        return size
+    value = size.node.expr.xreplace(at)  # the symbol itself gives the int in ``at``
+    if not isinstance(value, int) and value.free_symbols:
+        value = value.xreplace(size.node.shape_env.backed_var_to_val)
+    return int(value) if isinstance(value, int) or getattr(value, "is_Integer", False) \
+        else None
+
+
+def concrete_step(step: Step, final: Optional[fx.Node], groups: list, at: dict) -> tuple:
+    """(step, final, groups) of the step copied into a graph of its own at the sizes ``at``:
+    the state and each walked tensor a placeholder of concrete shape, each time read a
+    select or size-1 slice of it, the body copied with every size it reads from outside
+    (``sym_size`` and arithmetic on it) a number. A tensor it reads from outside is copied
+    where it is computed from literals and sizes, else kept as a placeholder (which the
+    meaning rule refuses by name, as for a static loop)."""
+    graph = fx.Graph(owning_module=step.state_in.graph.owning_module)
+    env = {step.state_in: _placeholder(graph, step.state_in, at)}
+    twins = {g: (_placeholder(graph, g[0], at), g[1]) for g in groups}
+    reads = {}
+    for group, nodes in step.reads.items():
+        source, axis = twins.get(group) or (_placeholder(graph, group[0], at), group[1])
+        for node in nodes:
+            env[node] = _twin_read(graph, node, source, axis, step.t, at)
+        reads[(source, axis)] = [env[n] for n in nodes]
+    consts = [c for c in (_twin_const(graph, c, env, at) for c in step.consts)
+              if isinstance(c, fx.Node)]
+    for node in step.body:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    twin = Step(step.t, env[step.state_in], env.get(step.state_out), env[step.out], reads,
+                [env[n] for n in step.body], consts)
+    return twin, env.get(final), [twins[g] for g in groups]
+
+
+def _placeholder(graph: fx.Graph, node: fx.Node, at: dict) -> fx.Node:
+    place = graph.placeholder(node.name)
+    place.meta["val"] = _concrete_value(node, at)
+    return place
+
+
+def _concrete_value(node: fx.Node, at: dict):
+    value = node.meta.get("val")
+    dims = [concrete(d, at) for d in value.shape]
+    if None in dims:
+        raise NoMatch(f"{node.name} has a size that depends on data", node=node)
+    return torch.empty(dims, dtype=value.dtype, device="meta")
+
+
+def _twin_read(graph: fx.Graph, node: fx.Node, source: fx.Node, axis: int, t: int, at):
+    keep = time_read(node).keepdim
+    read = graph.call_function(ATEN.slice.Tensor, (source, axis, t, t + 1)) if keep else \
+        graph.call_function(ATEN.select.int, (source, axis, t))
+    read.meta["val"] = _concrete_value(node, at)
+    return read
+
+
+def _twin_const(graph: fx.Graph, node: fx.Node, env: dict, at: dict, depth: int = 0):
+    """A value the step reads from outside, at the sizes ``at``: a size as a number, a
+    tensor computed from literals and sizes copied, any other tensor a placeholder."""
+    if node in env:
+        return env[node]
+    value = node.meta.get("val")
+    if isinstance(value, torch.SymInt):
+        env[node] = concrete(value, at)
+        if env[node] is None:
+            raise NoMatch(f"{node.name} is a size that depends on data", node=node)
+    elif node.op == "get_attr" or (node.op == "call_function" and depth < 8 and all(
+            _computed(graph, a, env, at, depth) for a in node.all_input_nodes)):
+        env[node] = graph.node_copy(node, env.__getitem__)
+    elif isinstance(value, torch.Tensor):
+        env[node] = _placeholder(graph, node, at)
+    else:
+        raise NoMatch(f"the step reads {node.name}, which is neither a tensor nor a size",
+                      node=node)
+    return env[node]
+
+
+def _computed(graph: fx.Graph, node: fx.Node, env: dict, at: dict, depth: int) -> bool:
+    """Whether ``node`` is copied as a literal or a size (not stood for by a placeholder)."""
+    twin = _twin_const(graph, node, env, at, depth + 1)
+    return not (isinstance(twin, fx.Node) and twin.op == "placeholder")

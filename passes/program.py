@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Optional
 
+import sympy
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -41,6 +43,113 @@ def dtype(node: Any) -> Optional[torch.dtype]:
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 
+def hint(size: Any) -> Optional[int]:
+    """A size as an int: a symbolic one at the value it was traced at (None when it has
+    none: a size that depends on data)."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        return size.node.hint if isinstance(size.node.hint, int) else None
+    return None
+
+
+def static_int(size: Any) -> Optional[int]:
+    """A size that is one number: an int, or a SymInt whose expression is a constant
+    (make_fx's symbolic tracing keeps a size it specialized as such); None otherwise."""
+    if type(size) is int:
+        return size
+    expr = size_expr(size)
+    return int(expr) if expr is not None and expr.is_Integer else None
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Two sizes (ints, SymInts, or nodes holding them) known equal, compared by their
+    expressions: never by ``==`` on a SymInt, which would record a guard in the program's
+    shape environment (and, at an equal hint, replace one symbol by the other)."""
+    a, b = (val(x) if isinstance(x, fx.Node) else x for x in (a, b))
+    if type(a) is int and type(b) is int:
+        return a == b
+    x, y = size_expr(a), size_expr(b)
+    if x is None or y is None:
+        return False
+    return x == y or sympy.expand(x - y) == 0
+
+
+def size_expr(size: Any) -> Optional[sympy.Expr]:
+    """A size's expression (an int's Integer), its symbols as the shape environment now
+    names them; None for anything else."""
+    if type(size) is int:
+        return sympy.Integer(size)
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        return node.shape_env.replace(node.expr) if node.shape_env is not None else node.expr
+    return None
+
+
+def same_sizes(a, b) -> bool:
+    """Two shapes known equal, size by size (``same_size``)."""
+    return a is not None and b is not None and len(a) == len(b) and \
+        all(x is y or same_size(x, y) for x, y in zip(a, b))
+
+
+BIG = 2 ** 62  # a slice's end at or past this is "to the end" (torch writes 2^63 - 1)
+
+
+def full_slice(node: Any) -> bool:
+    """``x[:, :]`` along one axis: a slice from 0 to the end with step 1, which torch.export
+    writes before a position read along another axis when sizes are symbolic."""
+    if not isinstance(node, fx.Node) or node.target is not ATEN.slice.Tensor:
+        return False
+    args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+    _, axis, start, end, step = args[:5]
+    dims = shape(args[0])
+    if step != 1 or start not in (0, None) or dims is None or not isinstance(axis, int):
+        return False
+    if end is None or (type(end) is int and end >= BIG):
+        return True
+    size = dims[axis]
+    return (type(end) is int and type(size) is int and end >= size) or \
+        (isinstance(end, fx.Node) and same_size(end, size))
+
+
+def unsliced(node: Any) -> Any:
+    """``node`` without the full slices (``full_slice``) on top of it."""
+    while full_slice(node):
+        node = node.args[0]
+    return node
+
+
+# Copies that keep a literal tensor's value (torch.export lifts ``torch.tensor([t])`` in a
+# module into a constant read through lift_fresh_copy and detach_).
+LITERAL_COPIES = frozenset({ATEN.lift_fresh_copy.default, ATEN.detach_.default,
+                            ATEN.detach.default, ATEN.clone.default, ATEN.alias.default})
+LITERAL = "gdn_fx_literal"  # meta key: a constant input's value (passes/__init__._planned)
+
+
+def literal(node: Any) -> Optional[torch.Tensor]:
+    """The value of a literal tensor: a module's attribute, a constant torch.export lifted
+    (its fake value keeps it in the training IR; the passes record it otherwise), through
+    copies that keep it; None for anything computed."""
+    while isinstance(node, fx.Node):
+        value = node.meta.get(LITERAL, getattr(node.meta.get("val"), "constant", None))
+        if isinstance(value, torch.Tensor):
+            return value
+        if node.op == "get_attr" and node.graph.owning_module is not None:
+            found = attribute(node.graph.owning_module, node.target)
+            return found if isinstance(found, torch.Tensor) else None
+        if node.op != "call_function" or node.target not in LITERAL_COPIES:
+            return None
+        node = node.args[0]
+    return None
+
+
+def attribute(owner: Any, path: str) -> Any:
+    """``owner``'s attribute at a dotted ``path`` (None where one is missing)."""
+    for name in path.split("."):
+        owner = getattr(owner, name, None)
+    return owner
+
+
 def fake_mode_of(graph: fx.Graph, among: Optional[Iterable[fx.Node]] = None
                  ) -> FakeTensorMode:
     """The fake mode behind the graph's metadata (of the nodes ``among``, when given: the
@@ -55,6 +164,25 @@ def fake_mode_of(graph: fx.Graph, among: Optional[Iterable[fx.Node]] = None
         if isinstance(value, FakeTensor):
             modes[id(value.fake_mode)] = value.fake_mode
     return next(iter(modes.values())) if len(modes) == 1 else FakeTensorMode()
+
+
+def no_guards(mode: FakeTensorMode):
+    """A context in which fake kernels on symbolic sizes record no guard in the program's
+    shape environment (a rewrite must not narrow the sizes the program was traced for)."""
+    env = getattr(mode, "shape_env", None)
+    return env.suppress_guards() if env is not None else contextlib.nullcontext()
+
+
+def guards_paused(graph: fx.Graph):
+    """``no_guards`` for the shape environment of ``graph``'s inputs (read off its
+    placeholders: no walk over an unrolled graph): whatever a rule compares of its
+    symbolic sizes is then evaluated at the traced sizes and leaves the program's sizes
+    as they were."""
+    for node in graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, FakeTensor) and value.fake_mode.shape_env is not None:
+            return no_guards(value.fake_mode)
+    return contextlib.nullcontext()
 
 
 def in_mode(value: Any, mode: FakeTensorMode) -> Any:
@@ -187,6 +315,12 @@ def _removable(node: fx.Node) -> bool:
         arg = node.args[0]
         return all(user.target is ASSERT_META for user in arg.users)
     return is_pure(node)
+
+
+def has_dead(graph: fx.Graph) -> bool:
+    """Whether ``graph`` computes a value nothing reads (make_fx keeps the ``detach`` of each
+    parameter that requires grad: a reader outside a loop that is no reader)."""
+    return any(_removable(node) for node in graph.nodes)
 
 
 def remove_dead(graph: fx.Graph) -> None:

@@ -8,17 +8,21 @@ state. The fused node is emitted where the region began and stands in for both.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
+import sympy
 import torch
 from torch import fx
+from torch.utils._sympy.functions import FloorDiv
 
 from gdn_fx import ops  # noqa: F401  (registers torch.ops.gdn_fx.*, used below)
 from gdn_fx.passes.operands import Operands
 from gdn_fx.errors import GdnFxError
-from gdn_fx.passes.program import ATEN, add_node, copy_meta, dtype, in_mode, shape, val
+from gdn_fx.passes.program import (ATEN, add_node, copy_meta, dtype, in_mode, no_guards,
+                                   same_sizes, shape, size_expr, val)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import NoMatch
 
@@ -62,6 +66,7 @@ def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
     region's time axis, would not have the region's shape.
     """
     _check_contract(region, ops, mode)
+    _check_sizes(region, ops)
     replace = {region.value: "value"}
     if region.final is not None:
         replace[region.final] = "final"
@@ -69,18 +74,8 @@ def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
         replace.update({u: "out" for u in region.value.users if _swaps_axes_1_2(u)})
 
     def emit(graph: fx.Graph, env) -> dict:
-        args = [_time_major(graph, _apply(graph, env(ops.nodes[name]), ops.adapters.get(name),
-                                          mode), name in ops.to_time_major, mode)
-                for name in ("q", "k", "v", "g", "beta", "state")]
-        fused = add_node(graph, SCAN, tuple(args),
-                         dict(scale=ops.scale, qk_l2norm=ops.qk_l2norm), mode)
-        out = add_node(graph, operator.getitem, (fused, 0), mode=mode)
-        final = _apply(graph, add_node(graph, operator.getitem, (fused, 1), mode=mode),
-                       region.final_steps, mode)
-        value = _time_to(graph, out, region.axis, mode) if region.out_steps is None else \
-            _apply(graph, out, region.out_steps, mode)
-        copy_meta(region.meta_source, (fused, out, final, value))
-        return {"out": out, "final": final, "value": value}
+        with no_guards(mode):
+            return _emit(graph, env, region, ops, mode)
 
     drop = region.nodes | set(region.erase)
     # Emit at the region's first node that follows every operand (HF's chunked rule makes its
@@ -88,6 +83,22 @@ def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
     ready = max(order[n] for n in ops.nodes.values())
     anchor = min((n for n in drop if order[n] > ready), key=order.__getitem__)
     return Fusion(region.meta_source.name, anchor, emit, set(ops.nodes.values()), replace, drop)
+
+
+def _emit(graph: fx.Graph, env, region: ScanRegion, ops: Operands, mode) -> dict:
+    sizes = _size_args(graph, env, ops, mode)
+    args = [_time_major(graph, _apply(graph, env(ops.nodes[name]), ops.adapters.get(name),
+                                      mode, sizes), name in ops.to_time_major, mode)
+            for name in ("q", "k", "v", "g", "beta", "state")]
+    fused = add_node(graph, SCAN, tuple(args),
+                     dict(scale=ops.scale, qk_l2norm=ops.qk_l2norm), mode)
+    out = add_node(graph, operator.getitem, (fused, 0), mode=mode)
+    final = _apply(graph, add_node(graph, operator.getitem, (fused, 1), mode=mode),
+                   region.final_steps, mode, sizes)
+    value = _time_to(graph, out, region.axis, mode) if region.out_steps is None else \
+        _apply(graph, out, region.out_steps, mode, sizes)
+    copy_meta(region.meta_source, (fused, out, final, value))
+    return {"out": out, "final": final, "value": value}
 
 
 def _check_contract(region: ScanRegion, ops: Operands, mode) -> None:
@@ -99,7 +110,7 @@ def _check_contract(region: ScanRegion, ops: Operands, mode) -> None:
         if not isinstance(value, torch.Tensor):
             raise NoMatch(f"operand '{name}' ({ops.nodes[name]}) is not a tensor")
         fakes[name] = value
-    with mode:
+    with mode, no_guards(mode):
         try:
             for name, steps in ops.adapters.items():
                 for op, extra in steps:
@@ -115,16 +126,104 @@ def _check_contract(region: ScanRegion, ops: Operands, mode) -> None:
     dims = list(out.shape)
     if region.out_steps is None:
         dims.insert(region.axis, dims.pop(1))
-    if tuple(dims) != shape(region.value):
+    if not same_sizes(dims, shape(region.value)):
         raise NoMatch(f"the op's output, time on axis {region.axis}, would be {dims}; the "
                       f"region's is {list(shape(region.value))}", node=region.value)
 
 
-def _apply(graph: fx.Graph, node: fx.Node, steps: Optional[list], mode) -> fx.Node:
-    """``node`` through layout steps: each (aten op, extra args) adds one node."""
+def _apply(graph: fx.Graph, node: fx.Node, steps: Optional[list], mode, sizes=None) -> fx.Node:
+    """``node`` through layout steps: each (aten op, extra args) adds one node; ``sizes``
+    spells the symbolic sizes among the arguments as nodes (``_size_args``)."""
     for op, extra in steps or ():
-        node = add_node(graph, op, (node, *extra), mode=mode)
+        node = add_node(graph, op, (node, *(sizes(extra) if sizes else extra)), mode=mode)
     return node
+
+
+# --- symbolic sizes in the layout's reshapes -----------------------------------------------
+
+ARITHMETIC = {sympy.Mul: operator.mul, sympy.Add: operator.add, FloorDiv: operator.floordiv}
+
+
+def _symbol_sources(ops: Operands) -> dict:
+    """size expression -> (operand name, axis, divisor): an operand whose size on that axis is
+    the expression (divisor 1), or, for a symbol, ``divisor`` times it (merged batch and heads
+    [c * B, ..]: B is that size // c)."""
+    found = {}
+    for name, node in ops.nodes.items():
+        for axis, size in enumerate(shape(node) or ()):
+            expr = size_expr(size) if isinstance(size, torch.SymInt) else None
+            if expr is None:
+                continue
+            found.setdefault(expr, (name, axis, 1))
+            factor, rest = expr.as_coeff_Mul()
+            if rest.is_Symbol and factor.is_Integer and factor > 1:
+                found.setdefault(rest, (name, axis, int(factor)))
+    return found
+
+
+def _steps_sizes(region: ScanRegion, ops: Operands) -> list:
+    """The symbolic sizes among the arguments of every layout step of the fusion."""
+    steps = [s for name in ops.adapters for s in ops.adapters[name]]
+    steps += list(region.out_steps or ()) + list(region.final_steps)
+    found = []
+    for _, extra in steps:
+        found += [x for x in _flat(extra) if isinstance(x, torch.SymInt)]
+    return found
+
+
+def _flat(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat(v)]
+    return [value]
+
+
+def _check_sizes(region: ScanRegion, ops: Operands) -> None:
+    """Every symbolic size the layout's reshapes need can be spelled: each symbol is a size
+    of an operand, combined by products, sums and floor divisions."""
+    where = _symbol_sources(ops)
+    for size in _steps_sizes(region, ops):
+        expr = size_expr(size)
+        if not _spellable(expr, where):
+            raise NoMatch(f"the operands' reshapes need the size {expr}, which is not made of "
+                          "sizes of the operands", node=region.meta_source)
+
+
+def _spellable(expr, where: dict) -> bool:
+    if expr.is_Integer or expr in where:
+        return True
+    return expr.func in ARITHMETIC and all(_spellable(a, where) for a in expr.args)
+
+
+def _size_args(graph: fx.Graph, env, ops: Operands, mode):
+    """A map of layout-step arguments to the new graph's: each symbolic size spelled as nodes
+    (``sym_size`` of an operand that has its symbol, operator nodes for the arithmetic)."""
+    where, made = _symbol_sources(ops), {}
+
+    def size(expr):
+        if expr.is_Integer:
+            return int(expr)
+        if expr not in made:
+            if expr in where:
+                name, axis, divisor = where[expr]
+                made[expr] = add_node(graph, ATEN.sym_size.int, (env(ops.nodes[name]), axis),
+                                      mode=mode)
+                if divisor != 1:
+                    made[expr] = add_node(graph, operator.floordiv, (made[expr], divisor),
+                                          mode=mode)
+            else:
+                parts = [size(a) for a in expr.args]
+                made[expr] = functools.reduce(
+                    lambda a, b: add_node(graph, ARITHMETIC[expr.func], (a, b), mode=mode), parts)
+        return made[expr]
+
+    def mapped(value):
+        if isinstance(value, torch.SymInt):
+            return size(size_expr(value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(mapped(v) for v in value)
+        return value
+
+    return mapped
 
 
 def _time_to(graph: fx.Graph, out: fx.Node, axis: int, mode) -> fx.Node:

@@ -282,13 +282,20 @@ def compare_programs(original: Any, rewritten: Any, example_inputs: Optional[tup
     Both are ExportedPrograms or GraphModules taking the same inputs (``rewritten`` is, e.g.,
     ``gdn_fx.collapse(original).program``); they run on the same random inputs and every
     output, and every input and buffer after the run, is compared as ``collapse`` does.
+    Both ways: a probe where one program's outputs are not finite tells nothing of it (it is
+    scaled down, or left out), so where ``original`` is NaN and ``rewritten`` finite (a
+    decay's log taken where it is negative), only ``rewritten``'s probes show the two apart.
     """
     gm, ep = graph_module_of(original)
-    other, _ = graph_module_of(rewritten)
+    other, other_ep = graph_module_of(rewritten)
     if len(_placeholders(other)) != len(_placeholders(gm)):
         return (f"the programs take {len(_placeholders(gm))} and {len(_placeholders(other))} "
                 "inputs")
-    return Validator(gm, ep, example_inputs).mismatch(other)
+    problem = Validator(gm, ep, example_inputs).mismatch(other)
+    if problem is None:
+        back = Validator(other, other_ep, example_inputs).mismatch(gm)
+        problem = None if back is None else f"{back} (comparing the second with the first)"
+    return problem
 
 
 def _may_write(graph: fx.Graph) -> bool:
