@@ -100,7 +100,8 @@ def _collapse(program: Any, inplace: bool, verify: bool, example_inputs,
         else:
             graph, fusions, rejected = validator.settle(rule.op, graph, fusions)
             misses.extend(rejected)
-        counts[rule.op] += len(fusions)
+        for fusion in fusions:  # a rule's op, or another it proved (a gated linear loop)
+            counts[fusion.op or rule.op] = counts.get(fusion.op or rule.op, 0) + 1
         log.debug("rule %s: %d %s fusion(s) kept", rule.name, len(fusions), rule.op)
     misses = _still_standing(misses, graph)
     for miss in misses:

@@ -38,6 +38,9 @@ ROLES = ("q", "k", "v", "g", "beta")
 # The tensors a loop may walk: the op's five, or beta already folded into a copy of k before
 # the loop (kb = k * beta[..., None], as DeltaNet papers write it), beta then read off kb.
 ROLE_SETS = (ROLES, ("q", "k", "kb", "v", "g"))
+# A gated linear recurrence (gated_linear_scan: Mamba, lightning, retention, GLA) walks four:
+# no beta, no erase. Which of the two a loop is, is decided by evaluating it against both.
+LINEAR_ROLES = ("q", "k", "v", "g")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ class Layout:
     # q and k L2-normalized inside the step (x * rsqrt(sum(x * x) + 1e-6), the op's own
     # qk_l2norm): the op is then handed the q and k the loop reads, with qk_l2norm set.
     qk_l2norm: bool = False
+    # the delta rule (gated_delta_scan), else the gated linear recurrence (gated_linear_scan:
+    # S = S * decay + k v^T, o = scale * q^T S)
+    delta: bool = True
 
     def with_scale(self, scale: float) -> "Layout":
         return replace(self, scale=scale)
@@ -83,7 +89,8 @@ class Layout:
         heads = "" if self.key_heads is None else \
             f", q and k on {self.key_heads} heads ({'tiled' if self.tiled else 'grouped'})"
         norm = ", q and k L2-normalized in the step" if self.qk_l2norm else ""
-        return f"{state} state, {gate}, scale {self.scale:.6g}{heads}{norm}"
+        rule = "" if self.delta else "gated linear, "
+        return f"{rule}{state} state, {gate}, scale {self.scale:.6g}{heads}{norm}"
 
 
 def input_kind(role: str, layout: Layout) -> str:
@@ -108,11 +115,13 @@ def layouts_for(state_shape, groups, out_shape):
     """Every layout the shapes allow: role assignment, state orientation, gate kind.
     ``groups`` are (tensor, time axis) pairs: a loop's reads, or a chunked region's inputs."""
     feats = [group_features(read_shape(g), state_shape) for g in groups]
-    if any(f is None for f in feats) or len(groups) != 5:
+    if any(f is None for f in feats):
         return
     heads = [group_heads(read_shape(g), state_shape) for g in groups]
     d1, d2 = state_shape[-2:]
-    for roles_names in ROLE_SETS:
+    for roles_names in ROLE_SETS + (LINEAR_ROLES,):
+        if len(roles_names) != len(groups):
+            continue
         for key_first in (True, False):
             dk, dv = (d1, d2) if key_first else (d2, d1)
             for roles in itertools.permutations(range(len(groups))):
@@ -123,7 +132,8 @@ def layouts_for(state_shape, groups, out_shape):
                     for log_gate in (True, False):
                         yield Layout(assign, key_first, log_gate, tuple(feats),
                                      tuple(state_shape), tuple(out_shape),
-                                     key_heads=key_heads, tiled=tiled)
+                                     key_heads=key_heads, tiled=tiled,
+                                     delta=roles_names is not LINEAR_ROLES)
 
 
 def _head_maps(assign, heads, state_shape) -> list:
@@ -148,8 +158,9 @@ def _widths_fit(assign, feats, dk, dv) -> bool:
 
 
 def reference_step(layout: Layout, s0, ins):
-    """The delta rule's (S', o) for these inputs under ``layout``, in the body's layout (one
-    step; chunk_meaning.py runs it along a whole sequence)."""
+    """The rule's (S', o) for these inputs under ``layout`` (the delta rule, or the gated
+    linear recurrence where ``layout.delta`` is False), in the body's layout (one step;
+    chunk_meaning.py runs it along a whole sequence)."""
     batch = s0.shape[:-2]
     x = {r: _per_value_head(ins[i], bool(layout.features[i]), layout, batch)
          for r, i in layout.roles.items()}
@@ -159,6 +170,11 @@ def reference_step(layout: Layout, s0, ins):
     if layout.qk_l2norm:
         x["q"], x["k"] = l2norm(x["q"]), l2norm(x["k"])
     x["decayed"] = s = s * decay
+    if not layout.delta:  # no erase: the value is written as it is
+        s = s + x["k"][..., :, None] * x["v"][..., None, :]
+        o = (s * x["q"][..., :, None]).sum(-2)
+        return (s if layout.key_first else s.transpose(-1, -2)), o, \
+            (s0 if layout.key_first else s0.transpose(-1, -2)), x
     delta = x["v"] - (s * x["k"][..., :, None]).sum(-2)
     if "beta" in x:
         s = s + x["k"][..., :, None] * (delta * x["beta"][..., None])[..., None, :]
@@ -226,7 +242,8 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
         sources["beta"] = _unfold_beta(sources.pop("kb"), sources["k"])
     axes = [a for _, a in sources.values()]
     head_major = axes.count(2) > axes.count(1)
-    ops = scan_operands({r: s for r, (s, _) in sources.items()}, state, head_major=head_major)
+    ops = scan_operands({r: s for r, (s, _) in sources.items()}, state, head_major=head_major,
+                        delta=layout.delta)
     ops.scale *= layout.scale
     b, h = batch_heads(layout.state_shape)
     hk = h if layout.key_heads is None else layout.key_heads  # (no bool() of a SymInt)

@@ -32,10 +32,11 @@ class Operands:
     qk_l2norm: bool = False
     to_time_major: set = field(default_factory=set)
     adapters: dict = field(default_factory=dict)  # name -> [(aten op, extra args)] applied first
+    delta: bool = True  # gated_delta_scan's operands (else gated_linear_scan's: no beta)
 
 
 def scan_operands(sources: dict, state: fx.Node, head_major: bool,
-                  scale: Optional[float] = None) -> Operands:
+                  scale: Optional[float] = None, delta: bool = True) -> Operands:
     """Trace each source of the loop back through what the fused op can absorb.
 
     ``head_major``: the sources are [B, H, T, ...] (else [B, T, H, ...]); ``scale`` is given
@@ -44,10 +45,10 @@ def scan_operands(sources: dict, state: fx.Node, head_major: bool,
     src = dict(sources)
     q, peeled = _peel_scale(src["q"]) if scale is None else (src["q"], scale)
     qn, kn = _l2norm(q), _l2norm(src["k"])
-    l2 = qn is not None and kn is not None
+    l2 = delta and qn is not None and kn is not None  # gated_linear_scan normalizes nothing
     nodes = {**src, "q": qn if l2 else q, "k": kn if l2 else src["k"]}
     nodes = {name: _peel_casts(node) for name, node in nodes.items()}
-    ops = Operands(nodes, peeled, l2)
+    ops = Operands(nodes, peeled, l2, delta=delta)
     if head_major:  # find (or later insert) the transpose back to time-major
         for name, node in nodes.items():
             inner = _transposed(node)

@@ -40,6 +40,7 @@ class Fusion:
     replace: dict = field(default_factory=dict)
     drop: set = field(default_factory=set)
     hoist: list = field(default_factory=list)
+    op: str = ""  # the op it makes where not its rule's (a gated linear loop: counts)
 
 
 def rebuild(graph: fx.Graph, fusions: list[Fusion]) -> fx.Graph:

@@ -28,6 +28,16 @@ from gdn_fx.passes.result import NoMatch
 
 NAME = "gated_delta_scan"  # the op every GDN rule fuses into: counts and near-misses say so
 SCAN = torch.ops.gdn_fx.gated_delta_scan.default
+LINEAR_NAME = "gated_linear_scan"  # a loop without the delta erase (layouts.Layout.delta)
+LINEAR = torch.ops.gdn_fx.gated_linear_scan.default
+
+
+def op_of(ops: Operands) -> tuple:
+    """(op, its name, its operands' names, its keyword arguments) for these operands."""
+    if ops.delta:
+        return SCAN, NAME, ("q", "k", "v", "g", "beta", "state"), \
+            dict(scale=ops.scale, qk_l2norm=ops.qk_l2norm)
+    return LINEAR, LINEAR_NAME, ("q", "k", "v", "g", "state"), dict(scale=ops.scale)
 
 
 @dataclass
@@ -82,16 +92,17 @@ def plan_scan(region: ScanRegion, ops: Operands, order: dict, mode) -> Fusion:
     # zero state halfway through the region).
     ready = max(order[n] for n in ops.nodes.values())
     anchor = min((n for n in drop if order[n] > ready), key=order.__getitem__)
-    return Fusion(region.meta_source.name, anchor, emit, set(ops.nodes.values()), replace, drop)
+    return Fusion(region.meta_source.name, anchor, emit, set(ops.nodes.values()), replace, drop,
+                  op=op_of(ops)[1])
 
 
 def _emit(graph: fx.Graph, env, region: ScanRegion, ops: Operands, mode) -> dict:
     sizes = _size_args(graph, env, ops, mode)
+    scan, _, names, kwargs = op_of(ops)
     args = [_time_major(graph, _apply(graph, env(ops.nodes[name]), ops.adapters.get(name),
                                       mode, sizes), name in ops.to_time_major, mode)
-            for name in ("q", "k", "v", "g", "beta", "state")]
-    fused = add_node(graph, SCAN, tuple(args),
-                     dict(scale=ops.scale, qk_l2norm=ops.qk_l2norm), mode)
+            for name in names]
+    fused = add_node(graph, scan, tuple(args), kwargs, mode)
     out = add_node(graph, operator.getitem, (fused, 0), mode=mode)
     final = _apply(graph, add_node(graph, operator.getitem, (fused, 1), mode=mode),
                    region.final_steps, mode, sizes)
@@ -105,7 +116,8 @@ def _check_contract(region: ScanRegion, ops: Operands, mode) -> None:
     """Run the op's contract check and fake kernel on the operands' metadata, so that a
     region the op cannot take (a gate broadcast over heads, ...) is a near-miss, not an error."""
     fakes = {}
-    for name in ("q", "k", "v", "g", "beta", "state"):
+    scan, _, names, kwargs = op_of(ops)
+    for name in names:
         value = in_mode(val(ops.nodes[name]), mode)
         if not isinstance(value, torch.Tensor):
             raise NoMatch(f"operand '{name}' ({ops.nodes[name]}) is not a tensor")
@@ -117,8 +129,7 @@ def _check_contract(region: ScanRegion, ops: Operands, mode) -> None:
                     fakes[name] = op(fakes[name], *extra)
             for name in ops.to_time_major:
                 fakes[name] = fakes[name].transpose(1, 2)
-            out, _ = SCAN(fakes["q"], fakes["k"], fakes["v"], fakes["g"], fakes["beta"],
-                          fakes["state"], scale=ops.scale, qk_l2norm=ops.qk_l2norm)
+            out, _ = scan(*[fakes[name] for name in names], **kwargs)
             for op, extra in region.out_steps or ():
                 out = op(out, *extra)
         except (GdnFxError, RuntimeError) as err:

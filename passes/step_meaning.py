@@ -121,7 +121,8 @@ def _decide_at(points: list, sampler: Sampler, candidates: list, with_state: boo
                                                 verdict.state_error, nearest=expect)
     points += [sampler.point() for _ in range(POINTS - 1)]
     # q and k normalized inside the step (the op's own qk_l2norm), tried when nothing else fits
-    normed = [replace(lay, qk_l2norm=True) for lay in candidates if "kb" not in lay.roles]
+    normed = [replace(lay, qk_l2norm=True) for lay in candidates if "kb" not in lay.roles
+              and lay.delta]  # (gated_linear_scan normalizes nothing)
     verdicts = []
     for pool in (candidates, normed):
         found = _screened_search(pool, points, with_state)

@@ -46,6 +46,7 @@ NEGATIVE = 1e3
 ALONE = 8
 NUDGE = 1e-12  # the relative move of a probe's inputs (float64) that must not move its outputs
 SCAN_OP = torch.ops.gdn_fx.gated_delta_scan.default
+LINEAR_OP = torch.ops.gdn_fx.gated_linear_scan.default
 
 
 class Validator:
@@ -100,7 +101,8 @@ class Validator:
 
     def _checked(self, module, inputs, reference, finite) -> Optional[str]:
         problem = self._compare(module, inputs, reference, finite, chunks=True)
-        if problem is not None and any(n.target is SCAN_OP for n in module.graph.nodes):
+        if problem is not None and any(n.target in (SCAN_OP, LINEAR_OP)
+                                       for n in module.graph.nodes):
             # the verdict is the step-by-step kernel's: the chunked one only speeds up the
             # common case, where it agrees (it rounds differently, so it could err alone)
             problem = self._compare(module, inputs, reference, finite, chunks=False)
@@ -415,8 +417,8 @@ def _draw(node: fx.Node, generator: torch.Generator, scale: float) -> Any:
     return torch.zeros(sizes, dtype=value.dtype)
 
 
-# gated_delta_scan's operands by position: the ones drawn by role (the others stay randn)
-ROLE_OPERANDS = {3: "gate", 4: "beta"}
+# the scans' operands by position: the ones drawn by role (the others stay randn)
+ROLE_OPERANDS = {SCAN_OP: {3: "gate", 4: "beta"}, LINEAR_OP: {3: "gate"}}
 
 
 def _operand_roles(graph: fx.Graph, placeholders: list) -> dict:
@@ -426,9 +428,7 @@ def _operand_roles(graph: fx.Graph, placeholders: list) -> dict:
     index = {node.name: i for i, node in enumerate(placeholders)}  # another graph's nodes
     roles: dict = {}
     for node in graph.nodes:
-        if node.target is not SCAN_OP:
-            continue
-        for position, role in ROLE_OPERANDS.items():
+        for position, role in ROLE_OPERANDS.get(node.target, {}).items():
             source, kind = node.args[position], role
             while isinstance(source, fx.Node) and source.op != "placeholder" and \
                     source.op == "call_function" and source.args and \
