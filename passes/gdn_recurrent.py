@@ -303,7 +303,9 @@ def _moved(layout: Layout, twin: Step, groups: list) -> Optional[Layout]:
 
 
 def _not_delta(step: Step, verdict: Verdict) -> str:
-    return f"step {step.t} is not the delta rule: {verdict.reason}"
+    linear = verdict.nearest is not None and not getattr(verdict.nearest, "delta", True)
+    rule = "a gated linear recurrence (S * decay + k v^T)" if linear else "the delta rule"
+    return f"step {step.t} is not {rule}: {verdict.reason}"
 
 
 def _check_steps(loop: Loop):
