@@ -31,6 +31,7 @@ SCRIPTS = (
     ("conv", "bench_conv.py"),
     ("moe", "bench_moe.py"),
     ("gdn_fast", "bench_gdn_fast.py"),
+    ("linear_scan", "bench_linear_scan.py"),
     ("generate", "bench_generate.py"),
     ("upper_state", "bench_upper_state.py"),
 )

@@ -13,12 +13,16 @@ import torch.fx as fx
 
 from gdn_fx import ops
 from gdn_fx.errors import DTypeError, LoweringUnsupported, ShapeError, UnsupportedProgram
-from gdn_fx.lowering.node_facts import (CONV_OPERANDS, SCAN_OPERANDS, ConvFacts, ScanFacts,
-                                   dtype_name, static_dim)
+from gdn_fx.lowering.node_facts import (CONV_OPERANDS, LINEAR_OPERANDS, SCAN_OPERANDS,
+                                        ConvFacts, LinearFacts, ScanFacts, dtype_name,
+                                        static_dim)
 
 SCAN_TARGET = torch.ops.gdn_fx.gated_delta_scan.default
 CONV_TARGET = torch.ops.gdn_fx.causal_conv1d_update.default
-FUSED_TARGETS = {SCAN_TARGET: "gated_delta_scan", CONV_TARGET: "causal_conv1d_update"}
+LINEAR_TARGET = torch.ops.gdn_fx.gated_linear_scan.default
+FUSED_TARGETS = {SCAN_TARGET: "gated_delta_scan", CONV_TARGET: "causal_conv1d_update",
+                 LINEAR_TARGET: "gated_linear_scan"}
+FactsOf = Union[ScanFacts, LinearFacts, ConvFacts]
 
 
 Program = Union[torch.export.ExportedProgram, fx.GraphModule]
@@ -48,7 +52,7 @@ def _writes_in_place(graph: fx.Graph) -> bool:
 
 
 def fused_nodes(graph: fx.Graph) -> list[fx.Node]:
-    """Every gated_delta_scan / causal_conv1d_update call in the graph, in graph order."""
+    """Every fused gdn_fx call (``FUSED_TARGETS``) in the graph, in graph order."""
     return [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_TARGETS]
 
 
@@ -103,6 +107,19 @@ def scan_facts(node: fx.Node) -> ScanFacts:
     )
 
 
+def linear_facts(node: fx.Node) -> LinearFacts:
+    """Facts of a gated_linear_scan node, after checking its operands against the contract."""
+    args = bound_arguments(node)
+    vals = {name: _value(node, name, args[name]) for name in LINEAR_OPERANDS}
+    _checked(node, ops.check_linear_operands, *vals.values())
+    return LinearFacts(
+        node=node.name,
+        shapes={name: _shape(val) for name, val in vals.items()},
+        dtypes={name: dtype_name(val.dtype) for name, val in vals.items()},
+        scale=float(args["scale"]),
+    )
+
+
 def conv_facts(node: fx.Node) -> ConvFacts:
     """Facts of a causal_conv1d_update node, after checking its operands against the contract."""
     args = bound_arguments(node)
@@ -119,6 +136,10 @@ def conv_facts(node: fx.Node) -> ConvFacts:
     )
 
 
-def node_facts(node: fx.Node) -> Union[ScanFacts, ConvFacts]:
+def node_facts(node: fx.Node) -> FactsOf:
     """Facts of any fused node."""
-    return scan_facts(node) if node.target is SCAN_TARGET else conv_facts(node)
+    if node.target is SCAN_TARGET:
+        return scan_facts(node)
+    if node.target is LINEAR_TARGET:
+        return linear_facts(node)
+    return conv_facts(node)

@@ -17,7 +17,7 @@ from nnef_tools.model import Operation as NOperation
 from nnef_tools.model import Tensor as NTensor
 from torch_to_nnef.op.fragment import Fragment
 
-from gdn_fx.lowering.node_facts import ScanFacts
+from gdn_fx.lowering.node_facts import SCAN_OPERANDS, ScanFacts
 from gdn_fx.lowering.fragment_files import generated
 from gdn_fx.lowering.nnef_emit import NUMPY, EmitContext, promote
 
@@ -88,6 +88,20 @@ def dims_lines() -> list[str]:
             " axes = [0]);"]
 
 
+def padded_line(name: str, source: str, pad: str, tail: str, zero: str,
+                block: int = 0) -> str:
+    """NNEF: ``name`` = ``source`` [B, S, ...] zero-padded by ``pad`` positions (an NNEF dim
+    expression, "0" for none) along S with the [1, ..] constant ``zero`` broadcast to
+    [b, pad``tail``]; cut into blocks [B, n, ``block``, ...] when ``block`` is given. (The
+    pad needs ``dims_lines``' ``b``; tract's ``pad`` op needs concrete sizes: docs/FACTS.md.)"""
+    if pad != "0":
+        source = (f"concat([{source}, tract_core_broadcast({zero}, shape = [b, {pad}{tail}])],"
+                  " axis = 1)")
+    if block:
+        source = f"reshape({source}, shape = [-1, {block}], axis_start = 1, axis_count = 1)"
+    return f"{name} = {source if '(' in source else f'copy({source})'};"
+
+
 def fragment_text(name: str, params: list[str], outputs: list[str], lines: list[str]) -> str:
     """One NNEF fragment definition with tensor parameters and results."""
     signature = ",\n    ".join(f"{p}: tensor<scalar>" for p in params)
@@ -96,9 +110,10 @@ def fragment_text(name: str, params: list[str], outputs: list[str], lines: list[
     return f"fragment {name}(\n    {signature}\n) -> ( {results} )\n{{\n{body}\n}}\n"
 
 
-def prepared_operands(ctx: EmitContext, work: str) -> list[NTensor]:
-    """q, k, v, g, beta, initial_state cast to the work dtype (casts only where needed)."""
-    names = ("q", "k", "v", "g", "beta", "initial_state")
+def prepared_operands(ctx: EmitContext, work: str,
+                      names: tuple[str, ...] = SCAN_OPERANDS) -> list[NTensor]:
+    """The node's operands ``names`` (default q, k, v, g, beta, initial_state) cast to the
+    work dtype (casts only where needed)."""
     return [ctx.cast(ctx.operands[name], work, name) for name in names]
 
 

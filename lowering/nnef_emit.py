@@ -15,7 +15,7 @@ from nnef_tools.model import Graph as NGraph
 from nnef_tools.model import Operation as NOperation
 from nnef_tools.model import Tensor as NTensor
 
-from gdn_fx.lowering.node_facts import ConvFacts, ScanFacts
+from gdn_fx.lowering.node_facts import ConvFacts, LinearFacts, ScanFacts
 
 NUMPY = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
 _WIDTH = {"f16": 0, "f32": 1, "f64": 2}
@@ -42,7 +42,7 @@ class EmitContext:
     name_to_tensor: dict
     operands: dict[str, Optional[NTensor]]
     output_names: tuple[str, str]
-    facts: Union[ScanFacts, ConvFacts]
+    facts: Union[ScanFacts, LinearFacts, ConvFacts]
 
     @property
     def prefix(self) -> str:

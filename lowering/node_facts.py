@@ -17,6 +17,7 @@ import torch
 Shape = tuple[Optional[int], ...]
 
 SCAN_OPERANDS = ("q", "k", "v", "g", "beta", "initial_state")
+LINEAR_OPERANDS = ("q", "k", "v", "g", "initial_state")
 CONV_OPERANDS = ("x", "conv_state", "weight", "bias")
 
 _TORCH_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
@@ -56,16 +57,11 @@ def static_dim(dim) -> Optional[int]:
         return None
 
 
-@dataclass(frozen=True)
-class ScanFacts:
-    """One gated_delta_scan node: operand shapes/dtypes (contract layout) and its flags."""
+class HeadShapes:
+    """The head layout both scans share (q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g [B, T, Hv]
+    or [B, T, Hv, Dk]), read off ``self.shapes``."""
 
-    node: str
     shapes: dict[str, Shape]
-    dtypes: dict[str, str]
-    scale: float
-    qk_l2norm: bool
-    op: str = field(default="gated_delta_scan", init=False)
 
     @property
     def batch(self) -> Optional[int]:
@@ -98,9 +94,37 @@ class ScanFacts:
         return self.shapes["v"][3]
 
     @property
+    def per_key(self) -> bool:
+        """True for a gate per key channel g [B, T, Hv, Dk]; False for one per value head."""
+        return len(self.shapes["g"]) == 4
+
+
+@dataclass(frozen=True)
+class ScanFacts(HeadShapes):
+    """One gated_delta_scan node: operand shapes/dtypes (contract layout) and its flags."""
+
+    node: str
+    shapes: dict[str, Shape]
+    dtypes: dict[str, str]
+    scale: float
+    qk_l2norm: bool
+    op: str = field(default="gated_delta_scan", init=False)
+
+    @property
     def kda(self) -> bool:
         """True for a per-key (KDA) gate g [B, T, Hv, Dk]; False for a per-head GDN gate."""
-        return len(self.shapes["g"]) == 4
+        return self.per_key
+
+
+@dataclass(frozen=True)
+class LinearFacts(HeadShapes):
+    """One gated_linear_scan node (no beta, no l2norm): operand shapes/dtypes and its scale."""
+
+    node: str
+    shapes: dict[str, Shape]
+    dtypes: dict[str, str]
+    scale: float
+    op: str = field(default="gated_linear_scan", init=False)
 
 
 @dataclass(frozen=True)
@@ -136,6 +160,8 @@ def describe(facts) -> str:
     parts = [f"{name}{list(shape)}:{facts.dtypes[name]}" for name, shape in facts.shapes.items()]
     if isinstance(facts, ScanFacts):
         parts.append(f"scale={facts.scale:.6g} qk_l2norm={facts.qk_l2norm}")
+    elif isinstance(facts, LinearFacts):
+        parts.append(f"scale={facts.scale:.6g}")
     else:
         parts.append(f"bias={facts.has_bias} activation={facts.activation}")
     return " ".join(parts)

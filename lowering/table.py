@@ -22,6 +22,12 @@ B=1, 16 heads of 128; bench/bench_conv.py: 6144 channels, K=4). By shape class:
 - causal_conv1d_update, longer static S: "depthwise" (tract's conv kernel; 2-10x faster
   than "portable", whose time at S = 64 swings between 1.5 and 9 ms from run to run, and ~9x
   faster than the native operator).
+- gated_linear_scan (bench/bench_linear_scan.py: one Mamba2 layer core of Falcon-H1-0.5B,
+  24 value heads of 64 on one key head of 128): static S = 1 "matmul_step"; static prefill up
+  to 1024 (one decay per head) "chunked_unrolled" (0.07-0.08x the step loop at S = 64 and
+  512), longer "chunked"; symbolic S on the CPU "split" where the graph serves decode (S = 1:
+  half "chunked"'s time), else "chunked" (1.3-1.6x faster than "split" at S = 64 and 512);
+  gates per key channel (GLA, Mamba1) "matmul".
 The native operators (and "scan") stay as fallbacks and can be forced with ``choose``.
 
 Under tract's CUDA runtime (``Target.runtime == "cuda"``) the candidates are tried in
@@ -53,14 +59,15 @@ from typing import Callable, Optional, Union
 
 from gdn_fx.errors import InternalError, LoweringUnsupported, UnknownName
 from gdn_fx.lowering import (conv_native, conv_portable, gdn_chunked, gdn_chunked_parallel,
-                             gdn_matmul, gdn_native, gdn_scan, gdn_split)
+                             gdn_matmul, gdn_native, gdn_scan, gdn_split, linear_chunked,
+                             linear_matmul, linear_split)
 from gdn_fx.lowering.choice import Choice
-from gdn_fx.lowering.node_facts import ConvFacts, ScanFacts, describe
+from gdn_fx.lowering.node_facts import ConvFacts, LinearFacts, ScanFacts, describe
 from gdn_fx.lowering.target import Target
 
 LOGGER = logging.getLogger("gdn_fx.lowering")
 
-Facts = Union[ScanFacts, ConvFacts]
+Facts = Union[ScanFacts, LinearFacts, ConvFacts]
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,16 @@ TABLE: dict[str, tuple[Candidate, ...]] = {
         Candidate("portable", conv_portable.check, conv_portable.emit),
         Candidate("native", conv_native.check, conv_native.emit),
     ),
+    "gated_linear_scan": (  # order measured with bench/bench_linear_scan.py (see above)
+        Candidate("matmul_step", linear_matmul.check_step, linear_matmul.emit_step),
+        Candidate("chunked_unrolled", linear_chunked.check_unrolled,
+                  linear_chunked.emit_unrolled),
+        Candidate("split", linear_split.check, linear_split.emit, suits=linear_split.suits,
+                  device=_on_cpu_under_cuda),
+        Candidate("chunked", linear_chunked.check, linear_chunked.emit,
+                  device=_on_cpu_under_cuda),
+        Candidate("matmul", linear_matmul.check, linear_matmul.emit, device=_on_cpu_under_cuda),
+    ),
 }
 
 
@@ -117,6 +134,8 @@ CUDA_ORDER: dict[str, tuple[str, ...]] = {
     "gated_delta_scan": ("chunked_window", "native", "chunked_parallel", "matmul_step",
                          "chunked_unrolled", "chunked", "split", "matmul", "scan"),
     "causal_conv1d_update": ("depthwise", "portable", "native"),
+    # not measured under CUDA: the CPU order, the tract_core_scan forms demoted by ``device``
+    "gated_linear_scan": ("matmul_step", "chunked_unrolled", "split", "chunked", "matmul"),
 }
 
 

@@ -55,6 +55,7 @@ F16_STATE = dict(DECODE_F16, initial_state="f16")
 GDN_ORDER = ("matmul_step", "chunked_unrolled", "split", "chunked", "matmul", "native", "scan",
              "chunked_parallel", "chunked_window")  # the last two: for the CUDA runtime only
 CONV_ORDER = ("depthwise", "portable", "native")
+LINEAR_ORDER = ("matmul_step", "chunked_unrolled", "split", "chunked", "matmul")  # issue 62
 FAST = ["matmul_step", "chunked_unrolled", "split", "chunked", "matmul"]
 ONLY_NATIVE_OR_SCAN = Choice.parse({"forbid": FAST})
 ONLY_NATIVE_CONV = Choice.parse({"forbid": ["depthwise", "portable"]})
@@ -174,7 +175,8 @@ def test_conv_native_table(version, dynamic, facts, expected, native):
 
 
 def test_table_is_one_literal_in_measured_order():
-    assert candidate_names() == {"gated_delta_scan": GDN_ORDER, "causal_conv1d_update": CONV_ORDER}
+    assert candidate_names() == {"gated_delta_scan": GDN_ORDER, "causal_conv1d_update": CONV_ORDER,
+                                 "gated_linear_scan": LINEAR_ORDER}
     assert all(callable(c.check) and callable(c.emit) for cs in TABLE.values() for c in cs)
 
 

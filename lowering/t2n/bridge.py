@@ -8,6 +8,8 @@ and carries the chosen candidate as a string argument:
                                        candidate) -> (out, final_state)
     t2n_extra::gdn_fx_causal_conv1d_update(x, conv_state, weight, bias, activation,
                                            candidate) -> (out, new_state)
+    t2n_extra::gdn_fx_gated_linear_scan(q, k, v, g, initial_state, scale,
+                                        candidate) -> (out, final_state)
 
 ``candidate`` names a table entry, or ``"auto"`` to let the handler decide from the traced
 tensors (for models that call the bridge ops directly). The names carry a ``gdn_fx_`` prefix so
@@ -22,10 +24,13 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from gdn_fx.lowering.fx_nodes import CONV_TARGET, SCAN_TARGET, bound_arguments, fused_nodes
+from gdn_fx.lowering.fx_nodes import (CONV_TARGET, LINEAR_TARGET, SCAN_TARGET,
+                                      bound_arguments, fused_nodes)
+from gdn_fx.lowering.node_facts import LINEAR_OPERANDS
 
 SCAN_BRIDGE = "gdn_fx_gated_delta_scan"
 CONV_BRIDGE = "gdn_fx_causal_conv1d_update"
+LINEAR_BRIDGE = "gdn_fx_gated_linear_scan"
 AUTO = "auto"
 
 
@@ -53,9 +58,24 @@ def _(x, conv_state, weight, bias, activation, candidate):
     return CONV_TARGET(x, conv_state, weight, bias, activation)
 
 
+@torch.library.custom_op(f"t2n_extra::{LINEAR_BRIDGE}", mutates_args=())
+def linear_bridge(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor,
+                  scale: float, candidate: str) -> tuple[Tensor, Tensor]:
+    """gdn_fx::gated_linear_scan, tagged with the lowering candidate for torch-to-nnef."""
+    return LINEAR_TARGET(q, k, v, g, initial_state, scale=scale)
+
+
+@linear_bridge.register_fake
+def _(q, k, v, g, initial_state, scale, candidate):
+    return LINEAR_TARGET(q, k, v, g, initial_state, scale=scale)
+
+
 def _bridge_call(node: fx.Node, candidate: str) -> tuple:
     """(bridge op, positional args) replacing one fused node."""
     args = bound_arguments(node)
+    if node.target is LINEAR_TARGET:
+        values = [args[n] for n in LINEAR_OPERANDS] + [float(args["scale"]), candidate]
+        return torch.ops.t2n_extra.gdn_fx_gated_linear_scan.default, tuple(values)
     if node.target is SCAN_TARGET:
         names = ("q", "k", "v", "g", "beta", "initial_state")
         values = [args[n] for n in names] + [float(args["scale"]), bool(args["qk_l2norm"])]

@@ -15,8 +15,9 @@ from torch_to_nnef.inference_target import TractNNEF
 from torch_to_nnef.op.extras import register
 
 from gdn_fx.errors import LoweringUnsupported
-from gdn_fx.lowering.t2n.bridge import AUTO, CONV_BRIDGE, SCAN_BRIDGE
-from gdn_fx.lowering.node_facts import CONV_OPERANDS, SCAN_OPERANDS, ConvFacts, ScanFacts
+from gdn_fx.lowering.t2n.bridge import AUTO, CONV_BRIDGE, LINEAR_BRIDGE, SCAN_BRIDGE
+from gdn_fx.lowering.node_facts import (CONV_OPERANDS, LINEAR_OPERANDS, SCAN_OPERANDS,
+                                        ConvFacts, LinearFacts, ScanFacts)
 from gdn_fx.lowering.nnef_emit import EmitContext, nnef_dtype_name
 from gdn_fx.lowering.table import candidate, decide
 from gdn_fx.lowering.target import as_target
@@ -48,6 +49,11 @@ def _scan_facts(label: str, operands: dict, literals: list) -> ScanFacts:
     shapes, dtypes = _shapes_dtypes(operands)
     return ScanFacts(node=label, shapes=shapes, dtypes=dtypes, scale=float(literals[0]),
                      qk_l2norm=bool(literals[1]))
+
+
+def _linear_facts(label: str, operands: dict, literals: list) -> LinearFacts:
+    shapes, dtypes = _shapes_dtypes(operands)
+    return LinearFacts(node=label, shapes=shapes, dtypes=dtypes, scale=float(literals[0]))
 
 
 def _conv_facts(label: str, operands: dict, literals: list) -> ConvFacts:
@@ -92,4 +98,12 @@ def gdn_fx_causal_conv1d_update(g, node, name_to_tensor, op_helper, inference_ta
                                 **kwargs) -> list:
     """Lower ``t2n_extra::gdn_fx_causal_conv1d_update`` with the candidate it carries."""
     return _lower("causal_conv1d_update", CONV_OPERANDS, _conv_facts, g, node, name_to_tensor,
+                  op_helper, inference_target)
+
+
+@register(LINEAR_BRIDGE)
+def gdn_fx_gated_linear_scan(g, node, name_to_tensor, op_helper, inference_target,
+                             **kwargs) -> list:
+    """Lower ``t2n_extra::gdn_fx_gated_linear_scan`` with the candidate it carries."""
+    return _lower("gated_linear_scan", LINEAR_OPERANDS, _linear_facts, g, node, name_to_tensor,
                   op_helper, inference_target)

@@ -1,0 +1,207 @@
+"""Candidates "matmul_step" and "matmul" for gated_linear_scan: the step written with matmuls.
+
+With a = exp(g_t) (one per value head, or one per key channel) one step is
+
+    S' = a S + k v^T          y = scale q^T S'
+
+The state runs key-first with the G value heads of a key head side by side in its columns,
+[B, Hk, Dk, G, Dv] (the contract's [B, Hv, Dk, Dv] is moved once, in and out): the write
+k v^T is then ONE matmul of a column by a row (K = 1) per key head, [Dk, 1] x [1, G Dv], and
+the readout one [1, Dk] x [Dk, G Dv] matmul of the new state. Written as a broadcasting
+``mul``, tract 0.23.9 runs the outer product as its generic broadcasting Mul, 3x slower than
+the matmul (docs/FACTS.md, "tract 0.23.9: traps"); in the contract layout with G = 24 heads
+on one key head (Mamba2) tract computed the K = 1 matmul as [Dk, G Dv] and moved it back,
+and packed the state for 24 one-row readouts (a step 0.69 ms in tract's profile against
+0.62 now; docs/lowering.md, "gated_linear_scan"). The decayed state is added to the update,
+not the other way round (tract fuses an add into a matmul's result as a slow AddUnicast).
+A reset gate (-inf, -1e4) makes a = 0: the decayed state is exactly 0 (never NaN while the
+state is finite).
+
+"matmul_step" writes the step once: S = 1 with no symbolic axis in the export. "matmul" runs
+it in a ``tract_core_scan`` over the sequence with ``reset_every_turn = 1`` (a reused tract
+State restarts from its input state), TWO steps an iteration (``PER_STEP``): with one, tract
+0.23.9 pulls the readout out of the loop (its Scan declutter moves an output's last op out
+unless the output takes more than one position an iteration), stores the state of every step
+and packs them all for one big matmul: 1.85x slower at S = 64. An odd S is padded with one
+identity step (zero q, k, v and log gate: the state is kept exactly) and its output dropped.
+Any S, symbolic too, every gate kind: the generic fallback. Arithmetic in f32 (f64 when q or
+the state is f64), as the op's kernel; bfloat16 is refused (no such dtype in tract).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from gdn_fx.lowering import gdn_fast_common as common
+from gdn_fx.lowering.node_facts import LINEAR_OPERANDS, LinearFacts, portable_dtype_reason
+from gdn_fx.lowering.nnef_emit import EmitContext
+from gdn_fx.lowering.target import Target
+
+STEP_INPUTS = ("qrow", "kcol", "vrow", "decay")
+PER_STEP = 2  # steps one iteration of the loop takes (the module docstring says why not 1)
+PARAMS = ["q", "k", "v", "g", "s0", "scale", "zero4", "zero3"]
+
+
+def check(facts: LinearFacts, target: Target) -> Optional[str]:
+    """Why the scan of matmul steps can not serve this node (None: it can)."""
+    return portable_dtype_reason(facts)
+
+
+def check_step(facts: LinearFacts, target: Target) -> Optional[str]:
+    """Why one matmul step can not serve this node: it needs S = 1 for sure."""
+    if target.dynamic:
+        return "the export declares symbolic axes: S may differ from 1 at run time"
+    if facts.seq != 1:
+        return "one step serves S = 1; node has " + (
+            "a symbolic S" if facts.seq is None else f"S={facts.seq}")
+    return portable_dtype_reason(facts)
+
+
+def state_in_line(facts: LinearFacts, name: str, source: str) -> str:
+    """NNEF: the contract's state [B, Hv, Dk, Dv] in the loop layout [B, Hk, Dk, G, Dv]."""
+    return (f"{name} = transpose(reshape({source}, shape = [{facts.key_heads}, {facts.groups}],"
+            " axis_start = 1, axis_count = 1), axes = [0, 1, 3, 2, 4]);")
+
+
+def state_out_line(name: str, source: str) -> str:
+    """NNEF: a state in the loop layout back in the contract's [B, Hv, Dk, Dv]."""
+    return (f"{name} = reshape(transpose({source}, axes = [0, 1, 3, 2, 4]), shape = [-1],"
+            " axis_start = 1, axis_count = 2);")
+
+
+def pad_lines(facts: LinearFacts, pad: str) -> list[str]:
+    """q, k, v, g padded by ``pad`` positions (``qp``, ``kp``, ``vp``, ``gp``): zero inputs
+    and a zero log gate are an identity step."""
+    hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
+    gate = (f", {hv}, {dk}", "zero4") if facts.per_key else (f", {hv}", "zero3")
+    return common.dims_lines() + [
+        common.padded_line("qp", "q", pad, f", {hk}, {dk}", "zero4"),
+        common.padded_line("kp", "k", pad, f", {hk}, {dk}", "zero4"),
+        common.padded_line("vp", "v", pad, f", {hv}, {dv}", "zero4"),
+        common.padded_line("gp", "g", pad, *gate)]
+
+
+def prologue_lines(facts: LinearFacts, q: str, k: str, v: str, g: str) -> list[str]:
+    """Everything that does not read the state, for all steps at once, per key head: q as a
+    row [B, S, Hk, 1, Dk] (times the scale), k as a column [B, S, Hk, Dk, 1], the values of
+    its G heads as one row [B, S, Hk, 1, G Dv], the decay [B, S, Hk, 1 or Dk, G, 1]."""
+    hk, groups = facts.key_heads, facts.groups
+    decay = ("unsqueeze(transpose(a, axes = [0, 1, 2, 4, 3]), axes = [5])" if facts.per_key
+             else "unsqueeze(a, axes = [3, 5])")
+    return [f"qrow = unsqueeze(mul({q}, scale), axes = [3]);",
+            f"kcol = unsqueeze({k}, axes = [4]);",
+            f"vrow = unsqueeze(reshape({v}, shape = [{hk}, -1], axis_start = 2,"
+            " axis_count = 2), axes = [3]);",
+            f"a = exp(reshape({g}, shape = [{hk}, {groups}], axis_start = 2, axis_count = 1));",
+            f"decay = {decay};"]
+
+
+def step_lines(facts: LinearFacts) -> list[str]:
+    """One step on per-step tensors (no sequence axis): state [B, Hk, Dk, G, Dv], qrow
+    [B, Hk, 1, Dk], kcol [B, Hk, Dk, 1], vrow [B, Hk, 1, G Dv], decay [B, Hk, 1 or Dk, G, 1]
+    -> the new state and y [B, Hk, 1, G Dv], read from the new state."""
+    return [f"update = reshape(matmul(kcol, vrow), shape = [{facts.groups}, {facts.dv}],"
+            " axis_start = 3, axis_count = 1);",
+            "new_state = add(mul(state, decay), update);",
+            "y = matmul(qrow, reshape(new_state, shape = [-1], axis_start = 3,"
+            " axis_count = 2));"]
+
+
+def iteration_lines(suffix: str) -> list[str]:
+    """The loop body: PER_STEP steps one after the other, their outputs concatenated along
+    the sequence axis."""
+    lines, state, outs = [], "state", []
+    for i in range(PER_STEP):
+        args = ", ".join(f"squeeze(slice({name}_t, axes = [1], begin = [{i}], end = [{i + 1}]),"
+                         " axes = [1])" for name in STEP_INPUTS)
+        after = "new_state" if i == PER_STEP - 1 else f"mid{i}"
+        lines.append(f"({after}, y{i}) = gdn_fx_linear_step{suffix}({state}, {args});")
+        outs.append(f"unsqueeze(y{i}, axes = [1])")
+        state = after
+    return lines + [f"y_t = concat([{', '.join(outs)}], axis = 1);"]
+
+
+def loop_lines(suffix: str) -> list[str]:
+    """The steps as a tract_core_scan over the sequence axis (axis 1) of the padded
+    operands, from ``st``: ``fin`` and ``ys`` [B, S, Hk, 1, G Dv], the padding dropped."""
+    scans = ", ".join(f'("{name}_t", {name}, 1, {PER_STEP})' for name in STEP_INPUTS)
+    return [f'(fin, yp) = tract_core_scan(body = "gdn_fx_linear_scan_step{suffix}",',
+            f"    scan = [{scans}],",
+            '    full = [], state = [("state", st, "new_state")],',
+            f'    output = [("new_state", "last", 0, 1), ("y_t", "full", 1, {PER_STEP})],',
+            "    skip = 0, reset_every_turn = 1);",
+            "ys = slice(yp, axes = [1], begin = [0], end = [n]);"]
+
+
+def out_line(facts: LinearFacts) -> str:
+    """NNEF: the readouts ``ys`` [B, S, Hk, 1, G Dv] as ``out`` [B, S, Hv, Dv]."""
+    return (f"out = reshape(squeeze(ys, axes = [3]), shape = [-1, {facts.dv}], axis_start = 2,"
+            " axis_count = 2);")
+
+
+EVEN = f"(n + {PER_STEP - 1}) / {PER_STEP} * {PER_STEP} - n"  # to whole iterations
+STEPS_PARAMS = ["q", "k", "v", "g", "st", "scale", "zero4", "zero3"]
+
+
+def step_fragment(facts: LinearFacts, suffix: str) -> str:
+    return common.fragment_text(f"gdn_fx_linear_step{suffix}", ["state", *STEP_INPUTS],
+                                ["new_state", "y"], step_lines(facts))
+
+
+def steps_definitions(facts: LinearFacts, suffix: str, pad: str = EVEN) -> str:
+    """The step, the loop body and ``gdn_fx_linear_steps``: the loop on raw operands padded
+    by ``pad`` positions (an NNEF expression of their length ``n``), the state in and out
+    in the loop layout."""
+    body = common.fragment_text(
+        f"gdn_fx_linear_scan_step{suffix}", ["state", *(f"{n}_t" for n in STEP_INPUTS)],
+        ["new_state", "y_t"], iteration_lines(suffix))
+    lines = (pad_lines(facts, pad) + prologue_lines(facts, "qp", "kp", "vp", "gp")
+             + loop_lines(suffix) + [out_line(facts)])
+    steps = common.fragment_text(f"gdn_fx_linear_steps{suffix}", STEPS_PARAMS,
+                                 ["out", "fin"], lines)
+    return "\n".join([step_fragment(facts, suffix), body, steps])
+
+
+def definitions(facts: LinearFacts, single: bool, suffix: str) -> str:
+    """The NNEF fragments of one node configuration (names end in ``suffix``)."""
+    if single:
+        args = ", ".join(f"squeeze({s}, axes = [1])" for s in STEP_INPUTS)
+        parts = [step_fragment(facts, suffix)]
+        main = prologue_lines(facts, "q", "k", "v", "g") + [
+            f"(fin, y1) = gdn_fx_linear_step{suffix}(st, {args});",
+            "ys = unsqueeze(y1, axes = [1]);", out_line(facts)]
+    else:
+        parts = [steps_definitions(facts, suffix)]
+        main = [f"(out, fin) = gdn_fx_linear_steps{suffix}(q, k, v, g, st, scale, zero4,"
+                " zero3);"]
+    main = [state_in_line(facts, "st", "s0")] + main + [state_out_line("final", "fin")]
+    parts.append(common.fragment_text(f"gdn_fx_linear_matmul{suffix}", PARAMS,
+                                      ["out", "final"], main))
+    return "\n".join(parts)
+
+
+def emit(ctx: EmitContext) -> list:
+    """Write the scan of matmul steps for one node; returns the fragments it needs."""
+    return _emit(ctx, single=False)
+
+
+def emit_step(ctx: EmitContext) -> list:
+    """Write one matmul step (S = 1) for one node; returns the fragments it needs."""
+    return _emit(ctx, single=True)
+
+
+def _emit(ctx: EmitContext, single: bool) -> list:
+    facts = ctx.facts
+    work = common.work_dtype(facts)
+    operands = common.prepared_operands(ctx, work, LINEAR_OPERANDS)
+    zeros = [common.variable(ctx, f"zero{rank}", np.zeros((1,) * rank), work)
+             for rank in (4, 3)]
+    name, frag = common.fragment("gdn_fx_linear_matmul",
+                                 lambda suffix: definitions(facts, single, suffix))
+    out = ctx.tensor("out", facts.shapes["v"], work)
+    final = ctx.tensor("final_state", facts.shapes["initial_state"], work)
+    ctx.apply_multi(name, operands + [common.scale_variable(ctx, work)] + zeros, (out, final))
+    common.finish_outputs(ctx, out, final)
+    return [frag]
