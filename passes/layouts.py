@@ -170,19 +170,24 @@ def reference_step(layout: Layout, s0, ins):
     if layout.qk_l2norm:
         x["q"], x["k"] = l2norm(x["q"]), l2norm(x["k"])
     x["decayed"] = s = s * decay
+    # readouts as matmuls and the write as one addcmul: a chunked region's reference runs
+    # every head along the whole sequence, and these are its cost (one pass over S each)
     if not layout.delta:  # no erase: the value is written as it is
-        s = s + x["k"][..., :, None] * x["v"][..., None, :]
-        o = (s * x["q"][..., :, None]).sum(-2)
-        return (s if layout.key_first else s.transpose(-1, -2)), o, \
-            (s0 if layout.key_first else s0.transpose(-1, -2)), x
-    delta = x["v"] - (s * x["k"][..., :, None]).sum(-2)
-    if "beta" in x:
-        s = s + x["k"][..., :, None] * (delta * x["beta"][..., None])[..., None, :]
-    else:  # beta folded into k before the loop: kb = beta * k
-        s = s + x["kb"][..., :, None] * delta[..., None, :]
-    o = (s * x["q"][..., :, None]).sum(-2)
+        s = s.addcmul(x["k"][..., :, None], x["v"][..., None, :])
+    else:
+        delta = x["v"] - _read(s, x["k"])
+        if "beta" in x:
+            s = s.addcmul(x["k"][..., :, None], (delta * x["beta"][..., None])[..., None, :])
+        else:  # beta folded into k before the loop: kb = beta * k
+            s = s.addcmul(x["kb"][..., :, None], delta[..., None, :])
+    o = _read(s, x["q"])
     s_back = s if layout.key_first else s.transpose(-1, -2)
     return s_back, o, s0 if layout.key_first else s0.transpose(-1, -2), x
+
+
+def _read(s: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """sum_k key_k S_kv, as a matmul: [.., Dk] with [.., Dk, Dv] -> [.., Dv]."""
+    return (key[..., None, :] @ s).squeeze(-2)
 
 
 def _per_value_head(read: torch.Tensor, features: bool, layout: Layout, batch):
