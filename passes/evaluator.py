@@ -79,6 +79,10 @@ class Verdict:
     def off_by(self, state: Optional[str] = "new state") -> str:
         """The nearest miss's distance, in words (``state``: what the state output is
         called; None for a region that hands out none)."""
+        if state is not None and self.out_error == float("inf") and \
+                math.isfinite(self.state_error):  # a far-off state: the output not scored
+            return f"the nearest differs by {self.state_error:.2g} in the {state} " \
+                   "(relative, float64)"
         text = f"the nearest differs by {self.out_error:.2g} in the output"
         if state is not None:
             text += f" and {self.state_error:.2g} in the {state}"
@@ -86,16 +90,19 @@ class Verdict:
 
 
 def nearest(verdicts) -> Verdict:
-    """The first verdict that fits, else the least wrong (the first of equals; an empty
-    ``Verdict()`` when none is finitely wrong); the verdicts are made one at a time, none
-    after a fit."""
-    best = Verdict()
+    """The first verdict that fits, else the least wrong (the first of equals; where none is
+    finitely wrong, the one whose state is least wrong: a rule stops scoring the output of a
+    far-off state; an empty ``Verdict()`` when none has a finite error at all); the verdicts
+    are made one at a time, none after a fit."""
+    best, closest = Verdict(), Verdict()
     for verdict in verdicts:
         if verdict.layout is not None:
             return verdict
         if verdict.error < best.error:
             best = verdict
-    return best
+        if verdict.state_error < closest.state_error:
+            closest = verdict
+    return best if best.nearest is not None or closest.nearest is None else closest
 
 
 class Sampler:
