@@ -697,9 +697,9 @@ def _score(layout: Layout, fit: Fit, cut: Cut, points, steps: int, explain: bool
     if prepared[key] is None:
         return float("inf"), float("inf"), 1.0, ""
     s, reads, gots = prepared[key]
-    refs = []
+    s, refs = s.clone(), []  # (the prepared states are every layout's: updated in place here)
     for t in range(steps):
-        s, o = reference_step(layout, s, [read[t] for read in reads])[:2]
+        s, o = reference_step(layout, s, [read[t] for read in reads], inplace=True)[:2]
         refs.append(o)
     refs = torch.stack(refs)
     if gots[0].numel() != refs[:, 0].numel():

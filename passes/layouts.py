@@ -157,10 +157,11 @@ def _widths_fit(assign, feats, dk, dv) -> bool:
     return feats[assign["g"]] in ([], [dk])
 
 
-def reference_step(layout: Layout, s0, ins):
+def reference_step(layout: Layout, s0, ins, inplace: bool = False):
     """The rule's (S', o) for these inputs under ``layout`` (the delta rule, or the gated
     linear recurrence where ``layout.delta`` is False), in the body's layout (one step;
-    chunk_meaning.py runs it along a whole sequence)."""
+    chunk_meaning.py runs it along a whole sequence, ``inplace``: S' is ``s0``, updated, and
+    the returned ``decayed`` is no longer what it was)."""
     batch = s0.shape[:-2]
     x = {r: _per_value_head(ins[i], bool(layout.features[i]), layout, batch)
          for r, i in layout.roles.items()}
@@ -169,17 +170,18 @@ def reference_step(layout: Layout, s0, ins):
     decay = decay[..., None] if decay.dim() > len(batch) else decay[..., None, None]
     if layout.qk_l2norm:
         x["q"], x["k"] = l2norm(x["q"]), l2norm(x["k"])
-    x["decayed"] = s = s * decay
-    # readouts as matmuls and the write as one addcmul: a chunked region's reference runs
-    # every head along the whole sequence, and these are its cost (one pass over S each)
+    # in place, readouts as matmuls, the write one addcmul: a chunked region's reference
+    # runs every head along the whole sequence, and these passes over S are its cost
+    x["decayed"] = s = s.mul_(decay) if inplace else s * decay
+    add = s.addcmul_ if inplace else s.addcmul
     if not layout.delta:  # no erase: the value is written as it is
-        s = s.addcmul(x["k"][..., :, None], x["v"][..., None, :])
+        s = add(x["k"][..., :, None], x["v"][..., None, :])
     else:
         delta = x["v"] - _read(s, x["k"])
         if "beta" in x:
-            s = s.addcmul(x["k"][..., :, None], (delta * x["beta"][..., None])[..., None, :])
+            s = add(x["k"][..., :, None], (delta * x["beta"][..., None])[..., None, :])
         else:  # beta folded into k before the loop: kb = beta * k
-            s = s.addcmul(x["kb"][..., :, None], delta[..., None, :])
+            s = add(x["kb"][..., :, None], delta[..., None, :])
     o = _read(s, x["q"])
     s_back = s if layout.key_first else s.transpose(-1, -2)
     return s_back, o, s0 if layout.key_first else s0.transpose(-1, -2), x
