@@ -37,7 +37,8 @@ def export_nnef(program, path: Union[str, Path], *,
     symbol_min, weights, runtime: below); its fields may also be given as keywords
     (``weights="q4_0"``), which override the record's.
 
-    Each ``gated_delta_scan`` / ``causal_conv1d_update`` node is lowered by the first
+    Each ``gated_delta_scan`` / ``gated_linear_scan`` / ``causal_conv1d_update`` node is
+    lowered by the first
     candidate of the lowering table (gdn_fx.lowering.table) that accepts it on tract
     ``tract_version``; every decision and rejection is logged on logger "gdn_fx.lowering" and
     recorded in the NNEF's tract properties (key "gdn_fx_lowering", read it back with
