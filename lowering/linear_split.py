@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Optional
 
 from gdn_fx.lowering import gdn_fast_common as common
-from gdn_fx.lowering import linear_chunked, linear_matmul
+from gdn_fx.lowering import gdn_split, linear_chunked, linear_matmul
 from gdn_fx.lowering.node_facts import LINEAR_OPERANDS, LinearFacts
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
@@ -50,18 +50,13 @@ def check(facts: LinearFacts, target: Target) -> Optional[str]:
 
 
 def suits(facts: LinearFacts, target: Target) -> Optional[str]:
-    """Why "split" is not the measured choice for this node (None: it is): a symbolic S on
-    the CPU runtime."""
-    if target.runtime != "cpu":
-        return (f"not measured under tract's {target.runtime} runtime; 'chunked' is the "
-                "loop kept there")
-    if not target.dynamic and facts.seq is not None:
-        return (f"static S={facts.seq}: 'matmul_step', 'chunked_unrolled' or 'chunked' is "
-                "written for it")
-    if not target.serves_decode:
+    """Why "split" is not the measured choice for this node (None: it is): the delta op's
+    reasons (a symbolic S on the CPU runtime), and a graph that also serves decode."""
+    reason = gdn_split.suits(facts, target)
+    if reason is None and not target.serves_decode:
         return ("the graph never runs decode's one-token calls: 'chunked' is faster from "
                 "S = 64 on (bench/bench_linear_scan.py)")
-    return None
+    return reason
 
 
 def split_lines(facts: LinearFacts, suffix: str) -> list[str]:

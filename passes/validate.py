@@ -69,6 +69,7 @@ class Validator:
         self.finite = []  # per reference tensor: all finite
         self.wide: Optional[list] = None  # (inputs, reference) at the wide probes
         self.roled: dict = {}  # roles -> (inputs, reference) of the probe drawn by role
+        self.as_traced: list = []  # probes run as traced besides the ordinary one (by role)
 
     def _run_original(self) -> None:
         """Run the original once (when a first rewrite needs checking: a program with nothing
@@ -150,8 +151,9 @@ class Validator:
             generator = torch.Generator().manual_seed(SEED + 2)
             inputs = [_role_draw(roles[i], x, generator) if i in roles else x
                       for i, x in enumerate(self.inputs)]
+            self.as_traced.append(inputs)
             try:
-                reference = self._run(self.root, True, inputs, native=True)
+                reference = self._run(self.root, True, inputs)
             except Exception:  # noqa: BLE001 (an original that fails there proves nothing)
                 reference = None
             self.roled[key] = (inputs, reference)
@@ -260,18 +262,14 @@ class Validator:
                 inputs.append(_draw(node, generator, scale))
         return inputs
 
-    def _run(self, module: fx.GraphModule, chunks: bool = True, inputs=None,
-             native: bool = False) -> list:
+    def _run(self, module: fx.GraphModule, chunks: bool = True, inputs=None) -> list:
         """What the program hands out, as (label, tensor): its outputs, then each input
         after the run (a copy, unless the program cannot write: ``_may_write``).
-        ``chunks``: whether gated_delta_scan may run chunked; ``inputs``: the probe's;
-        ``native``: run as traced (else a probe other than the ordinary one runs in
-        float64)."""
+        ``chunks``: whether gated_delta_scan may run chunked; ``inputs``: the probe's (a
+        wide one runs in float64; the ordinary one and those of ``as_traced`` as traced)."""
         writes = _may_write(module.graph)
         inputs = self.inputs if inputs is None else inputs
-        # a wide probe: run in float64 (evaluator.Float64)
-        wide = inputs is not self.inputs and not native and \
-            not any(x is inputs for x, _ in self.roled.values())
+        wide = inputs is not self.inputs and not any(inputs is p for p in self.as_traced)
         args = [a.clone() if writes and isinstance(a, torch.Tensor) and n.name not in self.fixed
                 else a for n, a in zip(self.placeholders, inputs)]
         run = Float64(module, rounding=True).run if wide else _direct_forward(module)
