@@ -123,8 +123,16 @@ class Fit:
     state_shape: tuple
     groups: list  # (input, time axis), the order layouts index
     value_axis: int
-    length: int
+    length: int  # T, the inputs' length
     out_shape: list
+    # the output's length on its time axis: T, or more where the region pads its inputs to
+    # whole chunks and hands out the padded output (transformers' Mamba2 SSD): the positions
+    # past T must then be zeros, and the fusion pads the op's output with zeros
+    padded: int = 0
+
+    @property
+    def pad(self) -> int:
+        return max(self.padded - self.length, 0)
 
     @functools.cached_property
     def layouts(self) -> list:
@@ -206,8 +214,13 @@ def _plan(verdict: Verdict, anchor: fx.Node, order: dict, mode, taken: set):
     (cut, fit), layout = verdict.region, verdict.layout
     region = ScanRegion(cut.nodes, cut.value, fit.value_axis, cut.final, anchor)
     state = fit.state if fit.state is not None else fit.groups[layout.roles["k"]][0]
-    plan = plan_operands(layout, fit.groups, state, shape(cut.value), fit.value_axis,
-                         fit.length)
+    value_shape = list(shape(cut.value))
+    value_shape[fit.value_axis] = fit.length
+    plan = plan_operands(layout, fit.groups, state, value_shape, fit.value_axis, fit.length)
+    if fit.pad:  # the region's output past T is zeros (_tail): the op's, padded so
+        plan.out_steps = _to_axis(plan.out_steps, fit.value_axis) + [
+            (ATEN.constant_pad_nd.default, ([0, 0] * (len(value_shape) - 1 - fit.value_axis)
+                                            + [0, fit.pad], 0.0))]
     if fit.state is None:  # the op starts from zeros it is handed, made beside it
         ops = plan.operands
         ops.nodes["state"] = ops.nodes["k"]
@@ -219,6 +232,18 @@ def _plan(verdict: Verdict, anchor: fx.Node, order: dict, mode, taken: set):
         raise NoMatch(f"operand {inside[0].name} lies in another fused region", node=anchor)
     check_dtypes(region, plan.operands)
     return plan_scan(region, plan.operands, order, mode)
+
+
+def _to_axis(out_steps: Optional[list], axis: int) -> list:
+    """The steps from the op's [B, T, H, Dv] output to the region's layout, where
+    plan_operands left them to one permute (None)."""
+    if out_steps is not None:
+        return list(out_steps)
+    if axis == 1:
+        return []
+    order = [0, 2, 3]
+    order.insert(axis, 1)
+    return [(ATEN.permute.default, (order,))]
 
 
 def _op_state_shape(fit: Fit, layout: Layout) -> list:
@@ -490,27 +515,40 @@ def _cuts(core: set, value: fx.Node, final, end: int, facts: Facts, taken: set):
 
 
 def _fits(inputs: list, value: fx.Node, final: Optional[fx.Node], nodes: set) -> list:
-    """The ways the inputs are five sequence tensors of one length (and maybe the state)."""
-    if len(inputs) not in (5, 6) or shape(value) is None:
+    """The ways the inputs are sequence tensors of one length (and maybe the state): five
+    for the delta rule (q, k, v, g, beta), four for the gated linear recurrence."""
+    if len(inputs) not in (4, 5, 6) or shape(value) is None:
         return []
     fits = []
-    for state in ([None] if len(inputs) == 5 else inputs):
+    for state in [None] + inputs:
         seqs = [n for n in inputs if n is not state]
+        if len(seqs) not in (4, 5):
+            continue
         state_shape = _state_shape(state, final, nodes)
         if state_shape is None or any(shape(n) is None for n in seqs):
             continue
         if final is not None and tuple(shape(final)) != tuple(state_shape):
             continue
-        for v_axis, length in enumerate(shape(value)):
-            if length < 2 or not _value_fits(shape(value), v_axis, state_shape):
+        for v_axis, padded in enumerate(shape(value)):
+            if padded < 2 or not _value_fits(shape(value), v_axis, state_shape):
                 continue
-            for axes in itertools.product(*[_axes_of(n, length, state_shape) for n in seqs]):
-                groups = list(zip(seqs, axes))
-                out_shape = [d for i, d in enumerate(shape(value)) if i != v_axis]
-                if next(layouts_for(list(state_shape), groups, out_shape), None):
-                    fits.append(Fit(state, tuple(state_shape), groups, v_axis, length,
-                                    out_shape))
+            for length in _lengths(seqs, padded):
+                for axes in itertools.product(*[_axes_of(n, length, state_shape)
+                                                for n in seqs]):
+                    groups = list(zip(seqs, axes))
+                    out_shape = [d for i, d in enumerate(shape(value)) if i != v_axis]
+                    if next(layouts_for(list(state_shape), groups, out_shape), None):
+                        fits.append(Fit(state, tuple(state_shape), groups, v_axis, length,
+                                        out_shape, padded))
     return fits
+
+
+def _lengths(seqs: list, padded: int) -> list:
+    """The inputs' lengths an output of ``padded`` positions may have been computed over:
+    its own, then each shorter one (>= 2) that every input has on some axis (the inputs
+    padded to whole chunks inside the region)."""
+    common = set.intersection(*[{d for d in shape(n) if isinstance(d, int)} for n in seqs])
+    return [padded] + sorted((d for d in common if 2 <= d < padded), reverse=True)
 
 
 def _axes_of(node: fx.Node, length: int, state_shape) -> list:
@@ -574,7 +612,7 @@ def _causal(cut: Cut, fits: list, sampler: Sampler, point) -> list:
             choices.setdefault(node, set()).add(axis)
     runs, value = {}, point[1][0]
 
-    def causal(node, axis, v_axis) -> bool:
+    def causal(node, axis, fit) -> bool:
         if (node, axis) not in runs:
             moved = [x.clone() for x in point[0]]
             moved[cut.inputs.index(node)].select(axis, -1).add_(1.0)
@@ -584,11 +622,11 @@ def _causal(cut: Cut, fits: list, sampler: Sampler, point) -> list:
                 runs[node, axis] = None
         if runs[node, axis] is None:
             return True
-        earlier = value.shape[v_axis] - 1
+        earlier, v_axis = fit.length - 1, fit.value_axis
         return rel(runs[node, axis].narrow(v_axis, 0, earlier),
                    value.narrow(v_axis, 0, earlier)) <= TOLERANCE
 
-    return [fit for fit in fits if all(causal(node, axis, fit.value_axis)
+    return [fit for fit in fits if all(causal(node, axis, fit)
                                        for node, axis in fit.groups if len(choices[node]) > 1)]
 
 
@@ -744,6 +782,8 @@ def _errors(refs, gots, finals, points, fit: Fit, entries, steps: int, scale, ch
         worst_o = max(worst_o, rel(got, c * ref))
         if chunk is not None and not where and worst_o > TOLERANCE:
             where = _first_wrong((got - c * ref).abs(), ref, c, chunk)
+        if steps == fit.length and fit.pad:
+            worst_o = max(worst_o, _tail(points[i][1][0], fit))
         if steps == fit.length and final is not None:
             batch, heads, every = entries
             worst_s = max(worst_s, rel(_some(final.reshape(fit.state_shape), batch, heads,
@@ -751,6 +791,13 @@ def _errors(refs, gots, finals, points, fit: Fit, entries, steps: int, scale, ch
     if not one_scale(scales):
         worst_o = max(worst_o, 1.0)
     return worst_o, worst_s, scales[0], where
+
+
+def _tail(value: torch.Tensor, fit: Fit) -> float:
+    """How far the output's positions past the inputs' length are from zeros, relative to
+    the output's largest magnitude."""
+    tail = value.narrow(fit.value_axis, fit.length, fit.pad)
+    return tail.abs().max().item() / max(value.abs().max().item(), 1e-30)
 
 
 def _some(x: torch.Tensor, batch, last: list, first: int = 0, every: bool = False
