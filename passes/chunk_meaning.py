@@ -440,7 +440,7 @@ def _wide(verdict: Verdict, order: dict) -> str:
     for role, index in layout.roles.items():
         kinds[cut.inputs.index(fit.groups[index][0])] = input_kind(role, layout)
     linear = [i for i, n in enumerate(cut.inputs)
-              if n is fit.state or n is fit.groups[layout.roles["v"]][0]]
+              if n is fit.state or n is fit.groups[layout.roles[layout.value_role]][0]]
 
     def error(points) -> float:
         out, state = _score(layout, fit, cut, points, fit.length, explain=False,

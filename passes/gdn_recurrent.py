@@ -29,7 +29,7 @@ from gdn_fx.passes.loop_outputs import gather
 from gdn_fx.passes.loops import (Cluster, Loop, Step, concrete_step, cut_steps, descendants_in,
                                  find_clusters, size_points, state_like, step_candidates,
                                  symbols, tag_window, walk_body)
-from gdn_fx.passes.program import fake_mode_of, hint, is_pure, mutates, positions, shape
+from gdn_fx.passes.program import ASSERT_META, fake_mode_of, hint, is_pure, mutates, positions, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
 from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
@@ -157,6 +157,8 @@ def symbolic_layout(layout: Layout, state: fx.Node, out: fx.Node, groups: list) 
     every size is static. A size-1 axis is told by its traced size, as the layout was."""
     if not symbols([state, out] + [g[0] for g in groups]):
         return layout
+    if layout.unit_value:  # its widths are static; the batch is read off the state
+        return replace(layout, state_shape=tuple(shape(state)), out_shape=tuple(shape(out)))
     lead = len(shape(state)) - 2
     features = tuple([d for d in read_shape(g)[lead:] if hint(d) != 1] for g in groups)
     heads = layout.key_heads if layout.key_heads is None else \
@@ -198,7 +200,8 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
         step, verdict = _ending_with(last, final, loop, t, tags, cluster, order, layout)
         if isinstance(verdict, Verdict) and verdict.layout is not None:
             passing.append((step, verdict))
-            if final is not None and any(u not in step.body for u in final.users):
+            if final is not None and any(u not in step.body and u.target is not ASSERT_META
+                                         for u in final.users):
                 chosen = passing[-1]  # the state the program reads after the loop
                 break
     if not passing:
@@ -211,7 +214,10 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
 
 
 def _read_after(user: fx.Node, tags: dict) -> bool:
-    """A read of the loop's result: the graph's output, a write, or past the loop's window."""
+    """A read of the loop's result: the graph's output, a write, or past the loop's window
+    (not a metadata assert: it checks whatever the step computes)."""
+    if user.target is ASSERT_META:
+        return False
     return user.op == "output" or user not in tags or not is_pure(user)
 
 
@@ -403,8 +409,11 @@ def _check_leaks(loop: Loop, region: ScanRegion) -> None:
         for node in step.body:
             if node in allowed:
                 continue
-            if not inside.issuperset(node.users):  # (the test per user, in C)
-                outside = next(u for u in node.users if u not in inside)
+            if not inside.issuperset(node.users) and any(  # (the test per user, in C)
+                    u not in inside and u.target is not ASSERT_META for u in node.users):
+                # (a metadata assert on a value of the loop goes with it: rebuild.py)
+                outside = next(u for u in node.users if u not in inside
+                               and u.target is not ASSERT_META)
                 raise NoMatch(f"intermediate value {node.name} of step {step.t} is also read "
                               f"by {outside.name} outside the loop", node=node, step=step.t)
             if not mutates(node):

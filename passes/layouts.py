@@ -41,6 +41,10 @@ ROLE_SETS = (ROLES, ("q", "k", "kb", "v", "g"))
 # A gated linear recurrence (gated_linear_scan: Mamba, lightning, retention, GLA) walks four:
 # no beta, no erase. Which of the two a loop is, is decided by evaluating it against both.
 LINEAR_ROLES = ("q", "k", "v", "g")
+# ... or three, where the state has no value axis (Mamba1: S [B, D, N], one N-vector per
+# channel): the write k (x) v with Dv = 1 is formed before the loop and read whole as k
+# (v = 1), and q may have no head axis (one C for every channel).
+UNIT_ROLES = ("q", "k", "g")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,10 @@ class Layout:
     # the delta rule (gated_delta_scan), else the gated linear recurrence (gated_linear_scan:
     # S = S * decay + k v^T, o = scale * q^T S)
     delta: bool = True
+    # the state has no value axis: Dv = 1, the op's [B, H, Dk, 1] held as [B, H, Dk]; k is
+    # the formed write (v = 1, UNIT_ROLES); ``shared_q``: q has no head axis (one for all)
+    unit_value: bool = False
+    shared_q: bool = False
 
     def with_scale(self, scale: float) -> "Layout":
         return replace(self, scale=scale)
@@ -90,13 +98,28 @@ class Layout:
             f", q and k on {self.key_heads} heads ({'tiled' if self.tiled else 'grouped'})"
         norm = ", q and k L2-normalized in the step" if self.qk_l2norm else ""
         rule = "" if self.delta else "gated linear, "
+        if self.unit_value:
+            state = "no value axis (Dv = 1)" + (", one q for every head" if self.shared_q else "")
         return f"{rule}{state} state, {gate}, scale {self.scale:.6g}{heads}{norm}"
+
+    @property
+    def value_role(self) -> str:
+        """The read the outputs are linear in (with the initial state): v, or the formed
+        write k where the state has no value axis."""
+        return "k" if self.unit_value else "v"
+
+    @property
+    def op_state_shape(self) -> tuple:
+        """The state's shape with its value axis: a unit-value state gains a last axis of 1."""
+        return tuple(self.state_shape) + ((1,) if self.unit_value else ())
 
 
 def input_kind(role: str, layout: Layout) -> str:
     """How the wide domain draws the tensor playing ``role`` (evaluator.wide_draw): q free,
     k free where the op normalizes it (else a contractive key), v linear, the gate a log
     gate or a decay, beta in [0, 1]."""
+    if role == "k" and layout.unit_value:
+        return "linear"  # the write itself (v = 1): out and state are linear in it
     if role in ("k", "kb"):
         return "free" if layout.qk_l2norm else "key"
     if role == "g":
@@ -114,6 +137,9 @@ def read_shape(group) -> list:
 def layouts_for(state_shape, groups, out_shape):
     """Every layout the shapes allow: role assignment, state orientation, gate kind.
     ``groups`` are (tensor, time axis) pairs: a loop's reads, or a chunked region's inputs."""
+    if len(groups) == len(UNIT_ROLES):
+        yield from _unit_layouts(state_shape, groups, out_shape)
+        return
     feats = [group_features(read_shape(g), state_shape) for g in groups]
     if any(f is None for f in feats):
         return
@@ -134,6 +160,30 @@ def layouts_for(state_shape, groups, out_shape):
                                      tuple(state_shape), tuple(out_shape),
                                      key_heads=key_heads, tiled=tiled,
                                      delta=roles_names is not LINEAR_ROLES)
+
+
+def _unit_layouts(state_shape, groups, out_shape):
+    """The layouts of a three-read loop over a state without a value axis: [.., H, Dk] read
+    as [.., H, Dk, 1], k the write and g the decay on the state's heads, q on them or on none
+    (shared by every head)."""
+    if len(state_shape) < 3:
+        return
+    virtual = list(state_shape) + [1]
+    batch, dk = virtual[:-2], virtual[-2]
+    reads = [read_shape(g) for g in groups]
+    for roles in itertools.permutations(range(len(groups))):
+        assign = dict(zip(UNIT_ROLES, roles))
+        k, g, q = (reads[assign[r]] for r in ("k", "g", "q"))
+        if group_features(k, virtual) != [dk] or group_features(g, virtual) not in ([], [dk]):
+            continue
+        shared = [d for d in q if d != 1] == [d for d in batch[:-1] + [dk] if d != 1]
+        if not shared and group_features(q, virtual) != [dk]:
+            continue
+        feats = [[dk] if i != assign["g"] else group_features(g, virtual)
+                 for i in range(len(groups))]
+        for log_gate in (True, False):
+            yield Layout(assign, True, log_gate, tuple(feats), tuple(state_shape),
+                         tuple(out_shape), delta=False, unit_value=True, shared_q=shared)
 
 
 def _head_maps(assign, heads, state_shape) -> list:
@@ -162,6 +212,12 @@ def reference_step(layout: Layout, s0, ins, inplace: bool = False):
     linear recurrence where ``layout.delta`` is False), in the body's layout (one step;
     chunk_meaning.py runs it along a whole sequence, ``inplace``: S' is ``s0``, updated, and
     the returned ``decayed`` is no longer what it was)."""
+    if layout.unit_value:  # [.., H, Dk] as [.., H, Dk, 1]; q shared by the heads
+        inner = replace(layout, roles={**layout.roles, "v": len(ins)}, unit_value=False,
+                        shared_q=False, features=layout.features + ((1,),))
+        s_back, o, s_in, x = reference_step(inner, s0[..., None], _unit_reads(layout, s0, ins),
+                                            inplace)
+        return s_back[..., 0], o, s_in[..., 0], x
     batch = s0.shape[:-2]
     x = {r: _per_value_head(ins[i], bool(layout.features[i]), layout, batch)
          for r, i in layout.roles.items()}
@@ -185,6 +241,17 @@ def reference_step(layout: Layout, s0, ins, inplace: bool = False):
     o = _read(s, x["q"])
     s_back = s if layout.key_first else s.transpose(-1, -2)
     return s_back, o, s0 if layout.key_first else s0.transpose(-1, -2), x
+
+
+def _unit_reads(layout: Layout, s0, ins) -> list:
+    """A unit-value step's reads as a four-read step's: q on every head, v = 1."""
+    batch = s0.shape[:-1]
+    ins = list(ins)
+    q = layout.roles["q"]
+    if layout.shared_q:
+        ins[q] = ins[q].reshape(*batch[:-1], 1, -1).expand(*batch, -1)
+    ones = ins[layout.roles["k"]].new_ones(*batch, 1)
+    return ins + [ones]
 
 
 def _read(s: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -252,10 +319,12 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
     ops = scan_operands({r: s for r, (s, _) in sources.items()}, state, head_major=head_major,
                         delta=layout.delta)
     ops.scale *= layout.scale
-    b, h = batch_heads(layout.state_shape)
+    b, h = batch_heads(layout.op_state_shape)
     hk = h if layout.key_heads is None else layout.key_heads  # (no bool() of a SymInt)
     wants = {role: [b, length, hk if role in ("q", "k") else h] + ([] if role == "beta" else
              list(layout.features[layout.roles[role]])) for role in sources}
+    if layout.shared_q:  # one q for every head: [B, T, 1, Dk], expanded below
+        wants["q"][2] = 1
     odd = {role for role, (source, time_axis) in sources.items()
            if not _standard(source, time_axis, head_major, wants[role])}
     # q and k are peeled together (l2norm, scale, GQA): undo both; tiled heads are repeated
@@ -272,6 +341,8 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
             ops.adapters[role].append((ATEN.repeat.default, ([1, 1, h // hk, 1],)))
     if not layout.log_gate:  # the loop walks exp(g): hand the op g (peeled, or log taken)
         _log_of_decay(ops)
+    if layout.unit_value:
+        return _unit_plan(layout, ops, state, value_shape, axis, length, b, h)
     dv = layout.state_shape[-1] if layout.key_first else layout.state_shape[-2]
     state_steps = [] if len(layout.state_shape) == 4 else [(ATEN.reshape.default, ([b, h] + list(
         layout.state_shape[-2:]),))]
@@ -284,6 +355,22 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
         [(ATEN.reshape.default, (list(layout.state_shape),))] if len(layout.state_shape) != 4
         else [])
     return Plan(ops, _out_steps(layout, value_shape, axis, length, b, h, dv), final_steps)
+
+
+def _unit_plan(layout: Layout, ops: Operands, state, value_shape, axis: int, length: int,
+               b, h) -> Plan:
+    """A state without a value axis: the op's state [B, H, Dk, 1], v = 1 beside k (the
+    formed write), q expanded over the heads where it has none."""
+    dk = layout.op_state_shape[-2]
+    if layout.shared_q:
+        ops.adapters["q"].append((ATEN.expand.default, ([b, length, h, dk],)))
+    ops.nodes["v"] = ops.nodes["k"]
+    ops.adapters["v"] = ops.adapters.get("k", []) + [
+        (ATEN.new_ones.default, ([b, length, h, 1],))]
+    ops.nodes["state"] = _peel_casts(state, up=False)
+    ops.adapters["state"] = [(ATEN.reshape.default, ([b, h, dk, 1],))]
+    final_steps = [(ATEN.reshape.default, (list(layout.state_shape),))]
+    return Plan(ops, _out_steps(layout, value_shape, axis, length, b, h, 1), final_steps)
 
 
 def _log_of_decay(ops: Operands) -> None:

@@ -106,7 +106,8 @@ def _wide(sampler: Sampler, layout: Layout, with_state: bool) -> str:
             return verdict.state_error if verdict.state_error > 1e-3 else verdict.error
         return 0.0
 
-    return wide_problem(sampler, kinds, error, [0, 1 + layout.roles["v"]], [0, 1])
+    return wide_problem(sampler, kinds, error, [0, 1 + layout.roles[layout.value_role]],
+                        [0, 1])
 
 
 def _decide_at(points: list, sampler: Sampler, candidates: list, with_state: bool, expect,
