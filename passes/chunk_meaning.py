@@ -63,6 +63,7 @@ SHAPE_OPS = {ATEN.view.default, ATEN.reshape.default, ATEN._unsafe_view.default,
              ATEN.contiguous.default, ATEN.alias.default, ATEN.squeeze.dim, ATEN.squeeze.dims,
              ATEN.unsqueeze.default, ATEN._to_copy.default, ATEN.to.dtype}
 
+PADS = {ATEN.constant_pad_nd.default, ATEN.pad.default}
 COPIES = {ATEN.clone.default, ATEN.contiguous.default, ATEN.alias.default,
           ATEN._to_copy.default, ATEN.to.dtype}
 
@@ -188,7 +189,7 @@ def find_chunk_forms(graph: fx.Graph) -> list[str]:
     for anchor in anchors:
         length = _shaped_length(anchor, facts)
         if length is not None:
-            found.append(f"chunked gated-delta form at node {anchor.name} (length {length})")
+            found.append(f"chunked recurrence form at node {anchor.name} (length {length})")
     return found
 
 
@@ -532,7 +533,7 @@ def _fits(inputs: list, value: fx.Node, final: Optional[fx.Node], nodes: set) ->
         for v_axis, padded in enumerate(shape(value)):
             if padded < 2 or not _value_fits(shape(value), v_axis, state_shape):
                 continue
-            for length in _lengths(seqs, padded):
+            for length in [padded] + _padded_from(nodes, padded):
                 for axes in itertools.product(*[_axes_of(n, length, state_shape)
                                                 for n in seqs]):
                     groups = list(zip(seqs, axes))
@@ -543,12 +544,21 @@ def _fits(inputs: list, value: fx.Node, final: Optional[fx.Node], nodes: set) ->
     return fits
 
 
-def _lengths(seqs: list, padded: int) -> list:
-    """The inputs' lengths an output of ``padded`` positions may have been computed over:
-    its own, then each shorter one (>= 2) that every input has on some axis (the inputs
-    padded to whole chunks inside the region)."""
-    common = set.intersection(*[{d for d in shape(n) if isinstance(d, int)} for n in seqs])
-    return [padded] + sorted((d for d in common if 2 <= d < padded), reverse=True)
+def _padded_from(nodes: set, padded: int) -> list:
+    """The lengths (>= 2) that a pad in the region makes ``padded`` long on one axis (the
+    inputs padded to whole chunks inside it), longest first."""
+    found = set()
+    for node in nodes:
+        if node.target not in PADS or not isinstance(node.args[0], fx.Node):
+            continue
+        before, after = shape(node.args[0]), shape(node)
+        if before is None or after is None or len(before) != len(after):
+            continue
+        changed = [(a, b) for a, b in zip(before, after) if a != b]
+        if len(changed) == 1 and changed[0][1] == padded and \
+                isinstance(changed[0][0], int) and changed[0][0] >= 2:
+            found.add(changed[0][0])
+    return sorted(found, reverse=True)
 
 
 def _axes_of(node: fx.Node, length: int, state_shape) -> list:
@@ -573,8 +583,20 @@ def _state_shape(state, final, nodes: set):
         return dims if dims is not None and len(dims) >= 3 else None
     if final is not None:
         return shape(final)
-    zeros = [n for n in nodes if is_zeros(n) and len(shape(n) or ()) in (3, 4)]
-    return shape(zeros[0]) if len(zeros) == 1 else None
+    zeros = [n for n in nodes if is_zeros(n) and len(shape(n) or ()) in (3, 4)] or [
+        n for n in nodes if is_zeros(n) and len(shape(n) or ()) == 5]  # (an output buffer
+    # of chunks is rank 5 too: the state's zeros of rank <= 4 come first)
+    return _unit_axes_off(shape(zeros[0])) if len(zeros) == 1 else None
+
+
+def _unit_axes_off(dims) -> Optional[list]:
+    """A state's shape without the size-1 axes after the first beyond rank 4 (the zeros of
+    one chunk's states, [B, 1, H, Dv, Dk]: transformers' Mamba2 SSD); None when it stays
+    longer."""
+    dims = list(dims)
+    while len(dims) > 4 and 1 in dims[1:]:
+        del dims[dims.index(1, 1)]
+    return dims if len(dims) <= 4 else None
 
 
 # --- evaluation ----------------------------------------------------------------------------
@@ -851,6 +873,6 @@ def _not_delta(verdict: Verdict) -> str:
     if verdict.out_error == float("inf") and verdict.reason:
         return verdict.reason
     text = (f"the region from {', '.join(n.name for n in cut.inputs)} is not the delta rule "
-            "under any layout its shapes allow: "
+            "or a gated linear recurrence under any layout its shapes allow: "
             f"{verdict.off_by('final state' if cut.final is not None else None)}")
     return text + (f"; {verdict.reason}" if verdict.reason else "")

@@ -164,8 +164,9 @@ def layouts_for(state_shape, groups, out_shape):
 
 def _unit_layouts(state_shape, groups, out_shape):
     """The layouts of a three-read loop over a state without a value axis: [.., H, Dk] read
-    as [.., H, Dk, 1], k the write and g the decay on the state's heads, q on them or on none
-    (shared by every head)."""
+    as [.., H, Dk, 1], k the write and g the decay on the state's heads, q on them, on a
+    divisor of them (groups of heads: head h reads q's h // G), or on none (shared by every
+    head)."""
     if len(state_shape) < 3:
         return
     virtual = list(state_shape) + [1]
@@ -174,16 +175,20 @@ def _unit_layouts(state_shape, groups, out_shape):
     for roles in itertools.permutations(range(len(groups))):
         assign = dict(zip(UNIT_ROLES, roles))
         k, g, q = (reads[assign[r]] for r in ("k", "g", "q"))
-        if group_features(k, virtual) != [dk] or group_features(g, virtual) not in ([], [dk]):
+        if group_features(k, virtual) != [dk] or group_features(g, virtual) not in ([], [dk]) \
+                or group_heads(k, virtual) != batch[-1] or group_heads(g, virtual) != batch[-1]:
             continue
         shared = [d for d in q if d != 1] == [d for d in batch[:-1] + [dk] if d != 1]
         if not shared and group_features(q, virtual) != [dk]:
             continue
+        heads = None if shared or group_heads(q, virtual) == batch[-1] else \
+            group_heads(q, virtual)
         feats = [[dk] if i != assign["g"] else group_features(g, virtual)
                  for i in range(len(groups))]
         for log_gate in (True, False):
             yield Layout(assign, True, log_gate, tuple(feats), tuple(state_shape),
-                         tuple(out_shape), delta=False, unit_value=True, shared_q=shared)
+                         tuple(out_shape), key_heads=heads, delta=False, unit_value=True,
+                         shared_q=shared)
 
 
 def _head_maps(assign, heads, state_shape) -> list:
@@ -214,7 +219,8 @@ def reference_step(layout: Layout, s0, ins, inplace: bool = False):
     the returned ``decayed`` is no longer what it was)."""
     if layout.unit_value:  # [.., H, Dk] as [.., H, Dk, 1]; q shared by the heads
         inner = replace(layout, roles={**layout.roles, "v": len(ins)}, unit_value=False,
-                        shared_q=False, features=layout.features + ((1,),))
+                        shared_q=False, features=layout.features + ((1,),),
+                        state_shape=layout.op_state_shape)
         s_back, o, s_in, x = reference_step(inner, s0[..., None], _unit_reads(layout, s0, ins),
                                             inplace)
         return s_back[..., 0], o, s_in[..., 0], x
@@ -321,7 +327,8 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
     ops.scale *= layout.scale
     b, h = batch_heads(layout.op_state_shape)
     hk = h if layout.key_heads is None else layout.key_heads  # (no bool() of a SymInt)
-    wants = {role: [b, length, hk if role in ("q", "k") else h] + ([] if role == "beta" else
+    keyed = ("q",) if layout.unit_value else ("q", "k")  # (a unit-value k is the write)
+    wants = {role: [b, length, hk if role in keyed else h] + ([] if role == "beta" else
              list(layout.features[layout.roles[role]])) for role in sources}
     if layout.shared_q:  # one q for every head: [B, T, 1, Dk], expanded below
         wants["q"][2] = 1
@@ -329,7 +336,7 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
            if not _standard(source, time_axis, head_major, wants[role])}
     # q and k are peeled together (l2norm, scale, GQA): undo both; tiled heads are repeated
     # from what the loop reads; a step that normalizes them itself takes them as it reads them
-    if odd & {"q", "k"} or layout.tiled or layout.qk_l2norm:
+    if odd & {"q", "k"} or layout.tiled or layout.qk_l2norm or layout.unit_value:
         odd |= {"q", "k"}
         ops.qk_l2norm, ops.scale = layout.qk_l2norm, layout.scale
     for role in odd:
@@ -364,6 +371,10 @@ def _unit_plan(layout: Layout, ops: Operands, state, value_shape, axis: int, len
     dk = layout.op_state_shape[-2]
     if layout.shared_q:
         ops.adapters["q"].append((ATEN.expand.default, ([b, length, h, dk],)))
+    elif layout.key_heads is not None:  # q on groups of heads; k on every head, as the op
+        # wants q: head h reads group h // G
+        ops.adapters["q"].append((ATEN.repeat_interleave.self_int,
+                                  (h // layout.key_heads, 2)))
     ops.nodes["v"] = ops.nodes["k"]
     ops.adapters["v"] = ops.adapters.get("k", []) + [
         (ATEN.new_ones.default, ([b, length, h, 1],))]

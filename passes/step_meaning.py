@@ -210,7 +210,7 @@ def _hint(state_fits: list, points) -> str:
     (s0, *ins), (_, o_got) = points[0]
     for layout in state_fits:
         _, _, s_in, x = reference_step(layout, s0, ins)
-        for before in (s_in, x["decayed"]):
+        for before in (s_in[..., None] if layout.unit_value else s_in, x["decayed"]):
             readout = (before * x["q"][..., :, None]).sum(-2)
             if o_got.numel() != readout.numel():
                 continue

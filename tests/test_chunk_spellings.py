@@ -133,7 +133,7 @@ def test_mutant_stays_unfused(name):
     assert any("chunked form by meaning" in str(m) for m in result.misses), report
     # what stays is frozen at the traced length, and said so (export refuses dynamic axes)
     _, args, _ = exported("mutant", name)
-    assert f"chunked gated-delta form at node cumsum (length {args[0].shape[1]})" in \
+    assert f"chunked recurrence form at node cumsum (length {args[0].shape[1]})" in \
         gdn_fx.find_unrolled(result.program)
 
 
@@ -143,7 +143,7 @@ def test_find_unrolled_names_the_chunked_form(name):
     and the per-chunk bmm loop included, is named frozen at its length before collapse."""
     _, args, program = exported("spelling", name)
     found = gdn_fx.find_unrolled(program)
-    assert f"chunked gated-delta form at node cumsum (length {args[0].shape[1]})" in found, \
+    assert f"chunked recurrence form at node cumsum (length {args[0].shape[1]})" in found, \
         found
 
 
