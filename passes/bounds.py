@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from gdn_fx.passes.evaluator import op_name
+from gdn_fx.passes.evaluator import copy_constant, evaluable, op_name
 
 INF = math.inf
 ANY = (-INF, INF)
@@ -59,7 +59,12 @@ def bounds(node: Any, depth: int = 0) -> tuple[float, float]:
         return _held(node)
     if node.op != "call_function":
         return ANY
-    return _of_call(node, op_name(node), depth + 1)
+    found = _of_call(node, op_name(node), depth + 1)
+    if -INF in found or INF in found:
+        if depth == 0 and evaluable(node):  # literals only: its values, as computed
+            computed = _computed(node)
+            return (max(found[0], computed[0]), min(found[1], computed[1]))
+    return found
 
 
 def nonnegative(node: fx.Node) -> bool:
@@ -84,6 +89,21 @@ def _held(node: fx.Node) -> tuple[float, float]:
     value = module
     for part in str(node.target).split("."):
         value = getattr(value, part, None)
+    if not isinstance(value, torch.Tensor) or not value.numel() or value.is_complex():
+        return ANY
+    return (float(value.min()), float(value.max()))
+
+
+def _computed(node: fx.Node) -> tuple[float, float]:
+    """The range of a value computed from literals and module attributes alone (retention's
+    ``1 - 2 ** (-5 - arange(H))``), by computing it."""
+    graph, env = fx.Graph(), {}
+    copy_constant(graph, node, env)
+    graph.output(env[node])
+    try:
+        value = fx.GraphModule(node.graph.owning_module or torch.nn.Module(), graph)()
+    except Exception:  # noqa: BLE001 (it does not run alone: nothing proven)
+        return ANY
     if not isinstance(value, torch.Tensor) or not value.numel() or value.is_complex():
         return ANY
     return (float(value.min()), float(value.max()))

@@ -28,7 +28,7 @@ from gdn_fx.passes.layouts import Layout, Plan, layouts_for, plan_operands, read
 from gdn_fx.passes.loop_outputs import gather
 from gdn_fx.passes.loops import (Cluster, Loop, Step, concrete_step, cut_steps, descendants_in,
                                  find_clusters, size_points, state_like, step_candidates,
-                                 symbols, tag_window, walk_body)
+                                 symbols, tag_window, take_decays, undecayed, walk_body)
 from gdn_fx.passes.program import ASSERT_META, fake_mode_of, hint, is_pure, mutates, positions, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
@@ -190,8 +190,12 @@ def _last_step(loop: Loop, cluster: Cluster, tags: dict, order: dict, layout
     last = loop.steps[-1]
     t = loop.length - 1
     # The state read after the loop first (it usually is the new state), then graph order.
-    candidates = sorted((c for c in descendants_in(last.state_in, tags, t)
-                         if state_like(c, last.state_in)),
+    # (from the state received, and from its product with a decay from outside the loop
+    # that the step took: loops.take_decays)
+    starts = [last.state_in] + [u for u in last.state_in.users
+                                if u in last.body and tags.get(u) != t]
+    reached = set().union(*(descendants_in(s, tags, t) for s in starts))
+    candidates = sorted((c for c in reached if state_like(c, last.state_in)),
                         key=lambda c: (not any(_read_after(u, tags) for u in c.users), order[c]))
     passing, chosen = [], None
     for final in candidates + [None]:
@@ -228,10 +232,20 @@ def _ending_with(last: Step, final, loop: Loop, t: int, tags: dict, cluster: Clu
     None) when the step would read from another step. ``layout``: the other steps'."""
     body, reads, earlier, consts = walk_body([last.out] + ([final] if final else []), t,
                                              tags, cluster)
-    if len(earlier) > 1 or (t > 0 and earlier != [last.state_in]):
+    if len(earlier) > 1:
+        return None, None
+    if t > 0 and not earlier:
+        return None, None
+    # the state received: from the step before, or (step 0) the initial state, maybe the
+    # product with a decay from before the loop (loops.take_decays)
+    received = earlier[0] if t > 0 else next(
+        (c for c in consts if (undecayed(c, 0, tags) or (None,))[0] is last.state_in),
+        last.state_in)
+    state_in, consts = take_decays(received, t, tags, body, reads, consts)
+    if state_in is not last.state_in:
         return None, None
     step = Step(t, last.state_in, final, last.out, reads, sorted(body, key=order.__getitem__),
-                [c for c in consts if c is not last.state_in])
+                consts)
     try:
         return step, decide_sized(step, final, loop.groups, layout, search=layout is None)
     except NoMatch as err:

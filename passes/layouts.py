@@ -29,6 +29,7 @@ import torch
 from torch import fx
 
 from gdn_fx.passes.bounds import bounds
+from gdn_fx.passes.loops import invariant_shapes
 from gdn_fx.passes.operands import Operands, scan_operands, _peel_casts
 from gdn_fx.passes.program import ATEN, same_sizes, shape
 from gdn_fx.passes.result import NoMatch
@@ -128,7 +129,11 @@ def input_kind(role: str, layout: Layout) -> str:
 
 
 def read_shape(group) -> list:
+    """The shape of one position of a group; a group read whole at every position (axis
+    None: a decay the same at each) as ``invariant_shape``."""
     source, axis = group
+    if axis is None:
+        return invariant_shapes(source)[1]
     dims = list(shape(source))
     del dims[axis]
     return dims
@@ -332,8 +337,10 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
              list(layout.features[layout.roles[role]])) for role in sources}
     if layout.shared_q:  # one q for every head: [B, T, 1, Dk], expanded below
         wants["q"][2] = 1
+    invariant = {role for role, (_, time_axis) in sources.items() if time_axis is None}
     odd = {role for role, (source, time_axis) in sources.items()
-           if not _standard(source, time_axis, head_major, wants[role])}
+           if role not in invariant and not _standard(source, time_axis, head_major,
+                                                      wants[role])}
     # q and k are peeled together (l2norm, scale, GQA): undo both; tiled heads are repeated
     # from what the loop reads; a step that normalizes them itself takes them as it reads them
     if odd & {"q", "k"} or layout.tiled or layout.qk_l2norm or layout.unit_value:
@@ -346,6 +353,14 @@ def plan_operands(layout: Layout, groups: list, state: fx.Node, value_shape, axi
         ops.adapters[role] = _adapt(shape(source), time_axis, wants[role])
         if layout.tiled and role in ("q", "k"):  # [B, T, Hk, D] -> [B, T, H, D], h % Hk
             ops.adapters[role].append((ATEN.repeat.default, ([1, 1, h // hk, 1],)))
+    for role in invariant:  # the same at every position: viewed as the step reads it,
+        source = sources[role][0]  # broadcast over B and T
+        own, drawn = invariant_shapes(source)
+        ops.nodes[role] = source
+        ops.to_time_major.discard(role)
+        ops.adapters[role] = [(ATEN.reshape.default, (own,)), (ATEN.expand.default, (drawn,)),
+                              (ATEN.reshape.default, ([b, 1] + wants[role][2:],)),
+                              (ATEN.expand.default, (wants[role],))]
     if not layout.log_gate:  # the loop walks exp(g): hand the op g (peeled, or log taken)
         _log_of_decay(ops)
     if layout.unit_value:

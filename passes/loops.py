@@ -37,6 +37,7 @@ from gdn_fx.passes.result import NoMatch
 SPLITS = (ATEN.split.Tensor, ATEN.split_with_sizes.default, ATEN.unbind.int,
           ATEN.tensor_split.sections, ATEN.tensor_split.indices)
 WRITES = (ATEN.copy_.default, ATEN.copy.default)  # buffer writes: copy(buffer slice, value)
+MULS = (ATEN.mul.Tensor, ATEN.mul_.Tensor)  # a state times a decay (either order)
 MARGIN = 48  # nodes past the last step's first time read that still belong to the loop
 
 
@@ -437,7 +438,7 @@ def cut_steps(cluster: Cluster, tags: dict, outs: list, order: dict) -> Loop:
         if state_in is state_out:
             raise NoMatch(f"step {t} hands on the state it received ({state_in.name}): the "
                           "state edge skips the step's own update", node=state_in, step=t)
-        consts = [c for c in consts if c is not state_in]
+        state_in, consts = take_decays(state_in, t, tags, body, reads, consts)
         reads = {g: sorted(nodes, key=order.__getitem__) for g, nodes in reads.items()}
         steps[t] = Step(t, state_in, state_out, outs[t], reads,
                         sorted(body, key=order.__getitem__), consts)
@@ -457,11 +458,98 @@ def _incoming_state(t: int, earlier: list, consts: list, like: fx.Node, body: se
         raise NoMatch(f"step 0 reads {earlier[0].name}, computed by a later step",
                       node=earlier[0], step=0)
     shaped = [c for c in consts if state_like(c)]
+    if len(shaped) > 1:  # the state and a decay from before the loop: the state's shape
+        shaped = [c for c in shaped if state_like(c, like)] or shaped
     if len(shaped) != 1:
         what = ", ".join(n.name for n in shaped[:3]) or "none"
         raise NoMatch(f"step 0 reads {len(shaped)} matrix-shaped values from before the loop "
                       f"({what}); a recurrence step reads one initial state", node=like, step=0)
     return shaped[0]
+
+
+def take_decays(state_in: fx.Node, t: int, tags: dict, body: set, reads: dict, consts: list
+                ) -> tuple[fx.Node, list]:
+    """(the state step t receives, its other inputs from outside): a product S * decay
+    with a decay from outside the loop, left with the step before by the tags, is this
+    step's (``body`` gains it); every decay from outside the step is read whole (``reads``
+    gains it, keyed by the value it views)."""
+    found = undecayed(state_in, t, tags)
+    if found is not None:
+        state_in, decayed = found
+        body.add(decayed)
+        consts = consts + [a for a in decayed.all_input_nodes if a is not state_in]
+    consts = [c for c in consts if c is not state_in]
+    for decay in _invariant_decays(consts, state_in):
+        reads.setdefault((invariant_root(decay), None), []).append(decay)
+        consts.remove(decay)
+    return state_in, consts
+
+
+def _invariant_decays(consts: list, state: fx.Node) -> list:
+    """Values from outside the step that it multiplies its state by, the same at every
+    position (a per-head constant, buffer or parameter, or a view of one: retention's,
+    lightning's decays). They are read as inputs of the step (a group of axis None, keyed
+    by the value they view), so that the step is decided for any decay, not the traced one."""
+    return [c for c in consts if dtype(c) is not None and dtype(c).is_floating_point
+            and shape(c) and not same_sizes(shape(c), shape(state))
+            and any(u.target in MULS and state in u.args for u in c.users)]
+
+
+# views that keep the elements in order: the decay read is its root reshaped
+ORDERED_VIEWS = (ATEN.unsqueeze.default, ATEN.view.default, ATEN.reshape.default,
+                 ATEN._unsafe_view.default)
+
+
+def invariant_root(node: fx.Node) -> fx.Node:
+    """The value ``node`` views through unsqueezes, views and full slices (``decay[None, :,
+    None, None]`` written in the loop is a view of ``decay`` per step)."""
+    while node.target in ORDERED_VIEWS or _full_slice(node):
+        node = node.args[0]
+    return node
+
+
+def invariant_shapes(root: fx.Node) -> tuple[list, list]:
+    """(the shape a step reads ``root`` in, the shape it is drawn in for the step): the view
+    the state is multiplied by, [1, H, 1, 1] say, and that with the state's batch axes (each
+    entry its own draw: a decay shared by them is one case) and its own last two, aligned to
+    the state's rank."""
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user.target in MULS and shape(user) is not None:
+                own, state = list(shape(node)), list(shape(user))
+                aligned = [1] * (len(state) - len(own)) + own
+                return own, state[:-2] + aligned[-2:]
+            if user.target in ORDERED_VIEWS or _full_slice(user):
+                todo.append(user)
+    raise NoMatch(f"{root.name} is read as a decay but never multiplies the state", node=root)
+
+
+def _full_slice(node: fx.Node) -> bool:
+    if node.target is not ATEN.slice.Tensor:
+        return False
+    dims = shape(node.args[0])
+    return dims is not None and same_sizes(dims, shape(node)) and (
+        len(node.args) < 5 or node.args[4] == 1)
+
+
+def undecayed(state: fx.Node, t: int, tags: dict):
+    """(S, S * decay) where the state a step receives is S * decay with a decay from
+    outside the loop, computed with the step before it (tags take the largest time index a
+    node depends on: a decay the same at every position leaves the product with the step
+    that made S, or before the loop for step 0) and read by this step only; None when it
+    is not."""
+    if state.target not in MULS or len(state.args) != 2 or any(
+            tags.get(u) != t for u in state.users):
+        return None
+    for s, decay in (state.args, state.args[::-1]):
+        if isinstance(s, fx.Node) and isinstance(decay, fx.Node) and \
+                same_sizes(shape(s), shape(state)) and tags.get(decay) is None and \
+                tags.get(s) == (t - 1 if t else None) and not same_sizes(shape(decay),
+                                                                         shape(state)):
+            return s, state
+    return None
 
 
 # --- a step at concrete sizes ----------------------------------------------------------------
@@ -528,7 +616,8 @@ def concrete_step(step: Step, final: Optional[fx.Node], groups: list, at: dict) 
     for group, nodes in step.reads.items():
         source, axis = twins.get(group) or (_placeholder(graph, group[0], at), group[1])
         for node in nodes:
-            env[node] = _twin_read(graph, node, source, axis, step.t, at)
+            env[node] = source if axis is None else \
+                _twin_read(graph, node, source, axis, step.t, at)
         reads[(source, axis)] = [env[n] for n in nodes]
     consts = [c for c in (_twin_const(graph, c, env, at) for c in step.consts)
               if isinstance(c, fx.Node)]

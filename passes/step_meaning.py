@@ -46,8 +46,9 @@ def body_graph(step, final: Optional[fx.Node], groups: list) -> fx.Graph:
                           node=nodes[0], step=step.t)
         for node in nodes:
             read_value = group_inputs[g]
+            read = time_read(node)  # (None: a value read whole at every position)
             env[node] = graph.call_function(torch.unsqueeze, (read_value, g[1])) \
-                if time_read(node).keepdim else read_value
+                if read is not None and read.keepdim else read_value
     for node in step.consts:
         if not evaluable(node):
             raise NoMatch(f"step {step.t} reads {node.name}, a tensor from outside the loop "

@@ -39,16 +39,10 @@ LINEAR, DELTA = "gated_linear_scan", "gated_delta_scan"
 FORMS = ("training", "functional", "core", "make_fx")
 TOL = {"example": 1e-5, "wide": 1e-4}  # relative to each output's largest magnitude
 
-# Faithful spellings the rule does not take yet: their near-miss (passes/loops.py). A decay
-# that is the same at every position (a per-head constant or parameter, not a tensor read
-# one position at a time) is a second matrix-shaped value from before the loop.
-_INVARIANT = ("a decay the same at every position (a per-head constant, buffer or parameter, "
-              "not a tensor read one position at a time) is not taken yet")
-NOT_YET = {
-    "retention_decay_in_loop": _INVARIANT,
-    "lightning_decode": _INVARIANT,
-    "sigmoid_param_decay": _INVARIANT,
-}
+# Faithful spellings the rule does not take yet: their near-miss (passes/loops.py). None now:
+# a decay the same at every position (a per-head constant, buffer or parameter, or a view of
+# one written in the loop) is read as an input of the step (loops.take_decays).
+NOT_YET: dict = {}
 
 
 # --- an independent float64 reference ------------------------------------------------------
