@@ -17,7 +17,7 @@ from torch import fx
 from torch.export.graph_signature import InputKind
 
 from gdn_fx.errors import InternalError
-from gdn_fx.passes import chunk_meaning, conv_meaning, gdn_recurrent, hop
+from gdn_fx.passes import chunk_meaning, conv_meaning, gdn_recurrent, hop, single_step
 from gdn_fx.passes.program import (LITERAL, finish, graph_module_of, guards_paused, has_dead,
                                    literal, remove_dead, sync_signature_names)
 from gdn_fx.passes.rebuild import rebuild
@@ -39,6 +39,8 @@ RULES: tuple[Rule, ...] = (
     # chunked forms (prefill): transformers' chunk rules, FLA's references, any chunk algebra
     Rule("chunk", GDN, chunk_meaning.plan_chunks_by_meaning, chunk_meaning.find_chunk_forms),
     Rule("conv_update", CONV, conv_meaning.plan_conv_updates, conv_meaning.find_conv_updates),
+    # a state updated once with no time axis (a decode step without a loop): a near-miss
+    Rule("single_step", GDN, single_step.plan_single_steps, single_step.find_single_steps),
 )
 if len({rule.name for rule in RULES}) != len(RULES):
     raise InternalError(f"two rules share a name: {[rule.name for rule in RULES]}")

@@ -42,13 +42,20 @@ def decided_ops(path) -> dict[str, int]:
     return {op: sum(name.startswith(op) for name in names) for op in FUSED_OPS}
 
 
-def collapsed(step: DecodeStep, seq_len: int):
-    """(example args, collapse result) for ``step`` exported at ``seq_len`` new tokens."""
+# Near-misses a family's step is known to leave: bamba's Mamba2 decode updates its state once
+# with no time axis (transformers' mamba2_selective_state_update), said and not fused.
+KNOWN_MISSES = {"bamba": "with no time axis"}
+
+
+def collapsed(step: DecodeStep, seq_len: int, known: str = ""):
+    """(example args, collapse result) for ``step`` exported at ``seq_len`` new tokens;
+    ``known``: a part of the near-misses it is known to leave (else none)."""
     args = step.example_inputs(seq_len=seq_len)
     result = gdn_fx.collapse(torch.export.export(step, args, strict=False))
     counts = {op: result.counts.get(op, 0) for op in step.expected_fusions}
     assert counts == step.expected_fusions, result.explain()
-    assert not result.misses, result.explain()
+    assert not [m for m in result.misses if not known or known not in m.reason], \
+        result.explain()
     return args, result
 
 
@@ -62,7 +69,9 @@ def assert_tract_matches(path, step: DecodeStep, args) -> None:
 @pytest.mark.parametrize("family", REQUIRED + BEST_EFFORT)
 def test_decode_step_runs_in_tract_like_eager(family, tmp_path):
     step = make_step(family)
-    args, result = collapsed(step, seq_len=1)
+    args, result = collapsed(step, seq_len=1, known=KNOWN_MISSES.get(family, ""))
+    if family in KNOWN_MISSES:  # said, not silently left
+        assert any(KNOWN_MISSES[family] in m.reason for m in result.misses), result.explain()
     path = gdn_fx.export_nnef(result.program, tmp_path / "decode.nnef.tgz",
                               input_names=step.input_names, output_names=step.output_names)
     # Every fused node was lowered by a table candidate (none left to torch-to-nnef).

@@ -49,3 +49,48 @@ def test_mamba1_multi_token_scan_fuses_into_gated_linear_scan(seq):
     got = result.program.module()(ids)
     want = model(ids)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+class _Mamba2Decode(torch.nn.Module):
+    """transformers' Mamba2 decode step, as mamba2_scan_forward calls it for one token: dt
+    and A expanded to [H, P, N], the state [B, H, P, N] cloned and updated once."""
+
+    B, H, P, N, G = 2, 4, 8, 6, 2
+
+    def __init__(self):
+        super().__init__()
+        self.A_log = torch.nn.Parameter(torch.rand(self.H) + 0.5)
+        self.D = torch.nn.Parameter(torch.randn(self.H))
+        self.dt_bias = torch.nn.Parameter(torch.randn(self.H) * 0.1)
+
+    def forward(self, x, dt, bm, cm, state):
+        from transformers.models.mamba2.modeling_mamba2 import mamba2_selective_state_update
+        b, h, p, n, g = self.B, self.H, self.P, self.N, self.G
+        nxt = state.clone()
+        y = mamba2_selective_state_update(
+            nxt, x.view(b, h, p), dt.transpose(1, 2).expand(-1, -1, p),
+            (-torch.exp(self.A_log.float()))[:, None, None].expand(-1, p, n),
+            bm.view(b, g, n), cm.view(b, g, n), self.D[:, None].expand(-1, p), z=None,
+            dt_bias=self.dt_bias[:, None].expand(-1, p), dt_softplus=True)
+        return y.view(b, 1, -1), nxt
+
+
+def test_mamba2_decode_step_without_a_loop_leaves_a_near_miss():
+    m = _Mamba2Decode()
+    b, h, p, n, g = m.B, m.H, m.P, m.N, m.G
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(b, 1, h * p, generator=gen), torch.randn(b, 1, h, generator=gen),
+            torch.randn(b, 1, g * n, generator=gen), torch.randn(b, 1, g * n, generator=gen),
+            torch.randn(b, h, p, n, generator=gen))
+    result = gdn_fx.collapse(torch.export.export(m, args))
+    # before, nothing was said about it (issue: "Mamba2 hybrids report no near-miss at all")
+    said = [m for m in result.misses if "with no time axis" in m.reason]
+    assert len(said) == 1 and "state [2, 4, 8, 6]" in said[0].reason, result.explain()
+    got, want = result.program.module()(*args), m(*args)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))  # nothing fused: the same ops
+
+
+def test_a_loop_the_rules_fuse_leaves_no_single_step_near_miss():
+    model, ids, program = _mamba1(4)
+    result = gdn_fx.collapse(program)
+    assert not [m for m in result.misses if "with no time axis" in m.reason], result.explain()
