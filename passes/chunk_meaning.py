@@ -3,7 +3,12 @@
 A chunked gated-delta computation (FLA's naive chunk references, transformers' chunk rules, a
 per-chunk loop of bmm's) turns q, k, v, g, beta and an initial state into the output of every
 position and the final state, by way of per-chunk cumulative decays, WY matrices and a state
-carried from chunk to chunk. How it is spelled varies; what it computes does not.
+carried from chunk to chunk. A chunked gated linear one (transformers' Mamba2 SSD, FLA's
+naive chunk simple-GLA) does the same from q, k, v, g without beta or WY matrices, and is
+decided by the same evaluation against the linear layouts (four inputs). How it is spelled
+varies; what it computes does not. A region that pads its inputs to whole chunks and hands
+out the padded output (transformers' SSD) is read at the inputs' length T: the positions past
+T must be zeros, and the fusion pads the op's output with them.
 
 Found by structure (cheaply), around each floating ``cumsum`` (the within-chunk cumulative
 decay that every chunked algebra takes; the anchor):
@@ -15,8 +20,8 @@ decay that every chunked algebra takes; the anchor):
   the reader's), and a later run that agrees too extends the region (a per-chunk loop);
 - the region's INPUTS: walking back from the anchor, the latest value the region reads is
   taken into it, one at a time (pads, casts, transposes, q's scale, beta folded into k and v,
-  the chunk reshapes...), and every set of inputs on the way that is five sequence tensors of
-  one length T (and maybe one state) is a candidate cut.
+  the chunk reshapes...), and every set of inputs on the way that is five sequence tensors
+  of one length T (four for the gated linear recurrence), maybe with a state, is a cut.
 
 Decided by meaning: the region between a cut and the outputs is run in float64 at random
 inputs (step_meaning's interpreter) next to the delta rule run along all T positions under
@@ -179,9 +184,9 @@ def plan_chunks_by_meaning(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
 
 def find_chunk_forms(graph: fx.Graph) -> list[str]:
     """The chunked regions the rule would decide, found by structure alone (no evaluation):
-    a floating cumsum of static shape with a region around it whose inputs are five sequence
-    tensors of one length (and maybe a state). Each is frozen at its traced length, whether
-    it computes the delta rule or not."""
+    a floating cumsum of static shape with a region around it whose inputs are four or five
+    sequence tensors of one length (and maybe a state). Each is frozen at its traced length,
+    whether it computes the delta rule or not."""
     anchors = [n for n in _anchors(graph) if all(isinstance(d, int) for d in shape(n))]
     if not anchors:
         return []

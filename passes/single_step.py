@@ -37,8 +37,9 @@ def find_single_steps(graph: fx.Graph) -> list[str]:
 
 def _updates(graph: fx.Graph) -> list:
     """(program input, S * decay) of each update S * decay + write of a state input of rank
-    >= 3 whose new state is not decayed again (one step, not a loop: a loop the other rules
-    left has its near-miss from them)."""
+    >= 3 whose new state is written back in place (into the input or a copy of it, as a
+    cache is: a sequence input scaled and shifted, the D skip, is no state) and not decayed
+    again (one step, not a loop: a loop the other rules left has its near-miss from them)."""
     found = []
     for node in graph.nodes:
         if node.target not in MULS or len(node.args) != 2:
@@ -47,7 +48,7 @@ def _updates(graph: fx.Graph) -> list:
         if state is None or not same_sizes(shape(node), shape(state)):
             continue
         adds = [u for u in node.users if u.target in ADDS and same_sizes(shape(u), shape(node))]
-        if adds and not any(_decayed_again(a) for a in adds):
+        if any(_written_back(a) for a in adds) and not any(_decayed_again(a) for a in adds):
             found.append((state, node))
     return found
 
@@ -62,6 +63,19 @@ def _input_of(value) -> fx.Node | None:
     if dims is None or kind is None or not kind.is_floating_point or len(dims) < 3:
         return None
     return value
+
+
+def _written_back(new: fx.Node) -> bool:
+    """Whether the new state (through copies and casts) is copied into a value in place."""
+    todo = [new]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user.target is ATEN.copy_.default and user.args[1] is node:
+                return True
+            if user.target in PASSES:
+                todo.append(user)
+    return False
 
 
 def _decayed_again(new: fx.Node) -> bool:
