@@ -266,16 +266,22 @@ def _decide_anchor(anchor: fx.Node, facts: Facts, taken: set) -> Optional[Verdic
     (None when nothing there is shaped like a chunked region). Ends come in runs (an output
     and the views and slices of it that follow); the last end of a run is tried first. Once
     a run agrees, later runs extend the region (a per-chunk loop agrees chunk by chunk)
-    until one does not."""
-    best, nearest, tries = None, None, 0
+    until one does not (or, where that one read a state as the output, until the reading the
+    other way round does not either)."""
+    best, nearest, tries, swap = None, None, 0, None
     for run in _runs(anchor, facts):
         if best is None and tries >= END_TRIES:
             break
+        if swap is not None and not any((v, f) == swap for v, f, _ in run):
+            return best
         verdict = None
         for value, final, end in reversed(run):
             if value.target in COPIES and len(run) > 1:
                 continue  # a copy or cast of the output is its reader's (operand peeling
                 # walks through it, and must find the fused value there)
+            if best is not None and _swapped(value, final, best.region[0]):
+                continue  # the agreeing region's output and state read the other way round
+                # (a state [.., Dk, Dv] whose Dk is as long as a chunk): no wider region
             verdict = _decide_end(anchor, value, final, end, facts, taken,
                                   best.region[0] if best else None)
             if verdict is not None:
@@ -285,9 +291,12 @@ def _decide_anchor(anchor: fx.Node, facts: Facts, taken: set) -> Optional[Verdic
                 if nearest is None or _closer(verdict, nearest):
                     nearest = verdict
         if verdict is not None and verdict.layout is not None:
-            best = verdict
+            best, swap = verdict, None
         elif best is not None and verdict is not None:
-            return best
+            cut = verdict.region[0]
+            if swap is not None or cut.final is None:
+                return best
+            swap = (cut.final, cut.value)  # the same two values, the other way round: next
     return best or nearest
 
 
@@ -311,6 +320,11 @@ def _runs(anchor: fx.Node, facts: Facts):
                 yield run
             open_runs[final] = [(value, final, end)]
     yield from open_runs.values()
+
+
+def _swapped(value: fx.Node, final: Optional[fx.Node], cut: Cut) -> bool:
+    """(value, final) is the cut's final state and output, read the other way round."""
+    return value is cut.final and final is cut.value
 
 
 def _may_be_output(value: fx.Node, final: Optional[fx.Node]) -> bool:

@@ -38,21 +38,15 @@ from test_wide_domain import _make_fx, agree, report
 
 FORMS = ("training", "functional", "core", "make_fx")
 
-# Faithful spellings the rule does not take (whole) yet, and their near-misses.
-_SWAPPED = ("a per-chunk loop where the state [B*H, Dk, Dv] also reads as a chunk's output "
-            "(its Dk axis taken for positions: a gate per key has an axis of Dk, or the chunk "
-            "is Dk long): at the first chunk's end the swapped reading (value = the state) "
-            "is a later run that does not agree, and _decide_anchor stops extending there; "
-            "each chunk becomes its own gated_linear_scan (right, not one op), a chunk of one "
-            "position stays; near-miss only the step rule's 'step 0 gathers nothing'")
+# Faithful spellings the rule does not take (whole) yet, and their near-misses. (A per-chunk
+# loop whose state [B*H, Dk, Dv] also reads as a chunk's output, Dk as long as a chunk or a
+# gate per key, fused chunk by chunk once: the swapped reading stopped the extension.)
 NOT_YET = {
     "bmm_chunks_buffer": (
         "the chunk outputs written into a zeros buffer made before the loop by slice "
         "(out[:, lo:lo + C] = ...): near-miss 'chunked form by meaning: its value cumsum is "
         "also read by unsqueeze outside it' for every chunk's cumsum; nothing fuses (with no "
         "initial state the last chunk alone would)"),
-    "bmm_chunks_of_four": _SWAPPED,
-    "bmm_chunks_per_key": _SWAPPED,
 }
 
 
