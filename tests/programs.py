@@ -91,3 +91,15 @@ def assert_close_outputs(got: Any, want: Any, rtol: float = 1e-5) -> list[float]
         errors.append(rel_err(g, w))
     assert max(errors, default=0.0) <= rtol, errors
     return errors
+
+
+# Near-misses a family's decode step is known to leave (a part of the reason): bamba's Mamba2
+# decode updates its state once with no time axis (transformers' mamba2_selective_state_update),
+# which passes/single_step.py names and nothing fuses yet.
+KNOWN_DECODE_MISSES = {"bamba": "with no time axis"}
+
+
+def unknown_misses(family: str, misses: list) -> list:
+    """The near-misses of ``family``'s decode step that are not known to it."""
+    known = KNOWN_DECODE_MISSES.get(family)
+    return [m for m in misses if known is None or known not in m.reason]

@@ -21,6 +21,7 @@ from gdn_fx.errors import ExportRefused
 from gdn_fx.hf import DecodeStep, check_dynamic, export_nnef_dynamic, prepare_for_nnef, tiny_model
 from gdn_fx.lowering.t2n import traceable as prog
 from gdn_fx.lowering.t2n.dynamic_axes import refuse_frozen_axes
+from programs import KNOWN_DECODE_MISSES, unknown_misses
 
 pytestmark = pytest.mark.slow  # whole-model exports; they still run by default
 
@@ -42,20 +43,14 @@ def decided_ops(path) -> dict[str, int]:
     return {op: sum(name.startswith(op) for name in names) for op in FUSED_OPS}
 
 
-# Near-misses a family's step is known to leave: bamba's Mamba2 decode updates its state once
-# with no time axis (transformers' mamba2_selective_state_update), said and not fused.
-KNOWN_MISSES = {"bamba": "with no time axis"}
-
-
-def collapsed(step: DecodeStep, seq_len: int, known: str = ""):
-    """(example args, collapse result) for ``step`` exported at ``seq_len`` new tokens;
-    ``known``: a part of the near-misses it is known to leave (else none)."""
+def collapsed(step: DecodeStep, seq_len: int, family: str = ""):
+    """(example args, collapse result) for ``step`` exported at ``seq_len`` new tokens; the
+    near-misses ``family``'s decode is known to leave are allowed (programs.py)."""
     args = step.example_inputs(seq_len=seq_len)
     result = gdn_fx.collapse(torch.export.export(step, args, strict=False))
     counts = {op: result.counts.get(op, 0) for op in step.expected_fusions}
     assert counts == step.expected_fusions, result.explain()
-    assert not [m for m in result.misses if not known or known not in m.reason], \
-        result.explain()
+    assert not unknown_misses(family, result.misses), result.explain()
     return args, result
 
 
@@ -69,9 +64,10 @@ def assert_tract_matches(path, step: DecodeStep, args) -> None:
 @pytest.mark.parametrize("family", REQUIRED + BEST_EFFORT)
 def test_decode_step_runs_in_tract_like_eager(family, tmp_path):
     step = make_step(family)
-    args, result = collapsed(step, seq_len=1, known=KNOWN_MISSES.get(family, ""))
-    if family in KNOWN_MISSES:  # said, not silently left
-        assert any(KNOWN_MISSES[family] in m.reason for m in result.misses), result.explain()
+    args, result = collapsed(step, seq_len=1, family=family)
+    if family in KNOWN_DECODE_MISSES:  # said, not silently left
+        assert any(KNOWN_DECODE_MISSES[family] in m.reason for m in result.misses), \
+            result.explain()
     path = gdn_fx.export_nnef(result.program, tmp_path / "decode.nnef.tgz",
                               input_names=step.input_names, output_names=step.output_names)
     # Every fused node was lowered by a table candidate (none left to torch-to-nnef).
