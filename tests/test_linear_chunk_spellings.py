@@ -31,10 +31,10 @@ import torch
 
 import gdn_fx
 from linear_chunk_spellings import MUTANT, MUTANTS, SPELLING, SPELLINGS
-from tensors import clone, flat
-from test_linear_spellings import DELTA, LINEAR, TOL, scan64
-from test_piecewise import eager, run
-from test_wide_domain import _make_fx, agree, report
+from tensors import clone
+from test_linear_spellings import (DELTA, LINEAR, assert_computes, assert_differs, assert_honest,
+                                   assert_mutant_verdict)
+from test_wide_domain import _make_fx, report
 
 FORMS = ("training", "functional", "core", "make_fx")
 
@@ -126,11 +126,7 @@ def _cumsums(result) -> list:
 def _computes(name: str, form: str, result) -> None:
     """The collapsed program equals the eager module on ordinary and on wide inputs."""
     module, _, build, _ = _entry(name)
-    for which in ("example", "wide"):
-        args = build(which, 3)
-        why = agree(run(result.program, args), eager(module, args), tol=TOL[which])
-        assert not why, f"{name} ({form}, {which} inputs): the collapsed program differs from " \
-                        f"the module ({why}); {report(result)}"
+    assert_computes(name, form, result, module, build)
 
 
 # --- the corpus ------------------------------------------------------------------------------
@@ -150,25 +146,13 @@ def test_the_corpus_covers_what_was_asked():
 def test_spelling_computes_the_gated_linear_recurrence(name):
     """The eager module equals the float64 loop: the spelling really is the recurrence."""
     _needs(name)
-    spelling = SPELLING[name]
-    module = spelling.module()
-    for which in ("example", "wide"):
-        args = spelling.args(which, 1)
-        with torch.no_grad():
-            got = flat(module(*clone(args)))
-            want = flat(spelling.reference(module, clone(args), scan64))
-        why = agree(got, want, tol=TOL[which])
-        assert not why, f"{name} ({which}): {why}"
+    assert_honest(SPELLING[name])
 
 
 @pytest.mark.parametrize("name", [m.name for m in MUTANTS])
 def test_mutant_differs_from_its_base(name):
     _needs(name)
-    mutant = MUTANT[name]
-    base = SPELLING[mutant.base]
-    assert any(agree(eager(mutant.module(), args), eager(base.module(), args), tol=1e-3)
-               for args in (base.args("example", 2), base.args("wide", 2))), \
-        f"{name}: the same as {mutant.base} ({mutant.change})"
+    assert_differs(MUTANT[name], SPELLING[MUTANT[name].base])
 
 
 # --- collapse ----------------------------------------------------------------------------------
@@ -192,14 +176,9 @@ def test_spelling_fuses_into_one_gated_linear_scan(name, form):
 @pytest.mark.parametrize("name, form", _per_form(MUTANTS, lambda m: m.base))
 def test_mutant_is_never_fused_wrongly(name, form):
     _needs(name)
-    mutant = MUTANT[name]
     result = collapsed(name, form)
     _computes(name, form, result)
-    fused = result.counts.get(LINEAR, 0) + result.counts.get(DELTA, 0)
-    if mutant.inside:
-        assert fused == 0, f"{name} ({mutant.change}, {form}): fused; {report(result)}"
-    if fused == 0:
-        assert result.misses, f"{name} ({form}): left without a near-miss; {report(result)}"
+    assert_mutant_verdict(name, form, MUTANT[name], result)
 
 
 @pytest.mark.parametrize("name", [m.name for m in MUTANTS])

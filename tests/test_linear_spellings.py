@@ -108,13 +108,27 @@ def _per_form(cases, group) -> list:
 
 
 def _computes(name: str, form: str, result) -> None:
-    """The collapsed program equals the eager module on ordinary and on wide inputs."""
     module, _, build = _entry(name)
+    assert_computes(name, form, result, module, build)
+
+
+def assert_computes(name: str, form: str, result, module, build) -> None:
+    """The collapsed program equals the eager module on ordinary and on wide inputs
+    (``build(which, seed)`` makes them; the other corpora's tests ask it too)."""
     for which in ("example", "wide"):
         args = build(which, 3)
         why = agree(run(result.program, args), eager(module, args), tol=TOL[which])
         assert not why, f"{name} ({form}, {which} inputs): the collapsed program differs from " \
                         f"the module ({why}); {report(result)}"
+
+
+def assert_mutant_verdict(name: str, form: str, mutant, result) -> None:
+    """A change of the recurrence itself fuses nothing; whatever does not fuse is said."""
+    fused = result.counts.get(LINEAR, 0) + result.counts.get(DELTA, 0)
+    if mutant.inside:
+        assert fused == 0, f"{name} ({mutant.change}, {form}): fused; {report(result)}"
+    if fused == 0:
+        assert result.misses, f"{name} ({form}): left without a near-miss; {report(result)}"
 
 
 # --- the corpus ------------------------------------------------------------------------------
@@ -129,28 +143,36 @@ def test_the_corpus_covers_what_was_asked():
     assert set(NOT_YET) <= set(SPELLING)
 
 
-@pytest.mark.parametrize("name", [s.name for s in SPELLINGS])
-def test_spelling_computes_the_gated_linear_recurrence(name):
-    """The eager module equals the float64 loop: the spelling really is the recurrence."""
-    spelling = SPELLING[name]
+def assert_honest(spelling, scan=None) -> None:
+    """The eager module equals the float64 ``scan`` (this file's ``scan64`` by default) on
+    ordinary and wide inputs: the spelling really is the recurrence (the corpora of chunked
+    forms and Mamba1 loops ask it too)."""
     module = spelling.module()
     for which in ("example", "wide"):
         args = spelling.args(which, 1)
         with torch.no_grad():
             got = flat(module(*clone(args)))
-            want = flat(spelling.reference(module, clone(args), scan64))
+            want = flat(spelling.reference(module, clone(args), scan or scan64))
         why = agree(got, want, tol=TOL[which])
-        assert not why, f"{name} ({which}): {why}"
+        assert not why, f"{spelling.name} ({which}): {why}"
+
+
+def assert_differs(mutant, base) -> None:
+    """The mutant differs from the spelling it edits on ordinary inputs or on wide ones (a
+    cap c tanh(S / c) shows only there)."""
+    assert any(agree(eager(mutant.module(), args), eager(base.module(), args), tol=1e-3)
+               for args in (base.args("example", 2), base.args("wide", 2))), \
+        f"{mutant.name}: the same as {mutant.base} ({mutant.change})"
+
+
+@pytest.mark.parametrize("name", [s.name for s in SPELLINGS])
+def test_spelling_computes_the_gated_linear_recurrence(name):
+    assert_honest(SPELLING[name])
 
 
 @pytest.mark.parametrize("name", [m.name for m in MUTANTS])
 def test_mutant_differs_from_its_base(name):
-    """On ordinary inputs, or on wide ones (the cap c tanh(S / c) shows only there)."""
-    mutant = MUTANT[name]
-    build = SPELLING[mutant.base].args
-    assert any(agree(eager(mutant.module(), args), eager(SPELLING[mutant.base].module(), args),
-                     tol=1e-3) for args in (build("example", 2), build("wide", 2))), \
-        f"{name}: the same as {mutant.base} ({mutant.change})"
+    assert_differs(MUTANT[name], SPELLING[MUTANT[name].base])
 
 
 # --- collapse ----------------------------------------------------------------------------------
@@ -170,13 +192,8 @@ def test_spelling_fuses_into_one_gated_linear_scan(name, form):
 
 @pytest.mark.parametrize("name, form", _per_form(MUTANTS, lambda m: m.base))
 def test_mutant_is_never_fused_wrongly(name, form):
-    mutant = MUTANT[name]
     result = collapsed(name, form)
-    fused = result.counts.get(LINEAR, 0) + result.counts.get(DELTA, 0)
-    if mutant.inside:
-        assert fused == 0, f"{name} ({mutant.change}, {form}): fused; {report(result)}"
-    if fused == 0:
-        assert result.misses, f"{name} ({form}): left without a near-miss; {report(result)}"
+    assert_mutant_verdict(name, form, MUTANT[name], result)
     _computes(name, form, result)
 
 

@@ -33,7 +33,9 @@ import torch
 
 import gdn_fx
 from mamba1_spellings import MUTANT, MUTANTS, SPELLING, SPELLINGS
-from tensors import clone, flat
+from tensors import clone
+from test_linear_spellings import (assert_computes, assert_differs, assert_honest,
+                                   assert_mutant_verdict)
 from test_piecewise import eager, run
 from test_wide_domain import _make_fx, agree, report
 
@@ -168,11 +170,7 @@ def _cases(cases, group, forms) -> list:
 def _computes(name: str, form: str, result) -> None:
     """The collapsed program equals the eager module on ordinary and on wide inputs."""
     module, build = _entry(name)
-    for which in ("example", "wide"):
-        args = build(which, 3)
-        why = agree(run(result.program, args), eager(module, args), tol=TOL[which])
-        assert not why, f"{name} ({form}, {which} inputs): the collapsed program differs from " \
-                        f"the module ({why}); {report(result)}"
+    assert_computes(name, form, result, module, build)
 
 
 # --- the corpus ------------------------------------------------------------------------------
@@ -191,25 +189,12 @@ def test_the_corpus_covers_what_was_asked():
 def test_spelling_computes_the_selective_scan(name):
     """The eager module equals the float64 scan: the spelling really is Mamba1's."""
     _needs(name)
-    spelling = SPELLING[name]
-    module = spelling.module()
-    for which in ("example", "wide"):
-        args = spelling.args(which, 1)
-        with torch.no_grad():
-            got = flat(module(*clone(args)))
-            want = flat(spelling.reference(module, clone(args), scan64))
-        why = agree(got, want, tol=TOL[which])
-        assert not why, f"{name} ({which}): {why}"
+    assert_honest(SPELLING[name], scan64)
 
 
 @pytest.mark.parametrize("name", [m.name for m in MUTANTS])
 def test_mutant_differs_from_its_base(name):
-    """On ordinary inputs, or on wide ones (the cap c tanh(x / c) shows only there)."""
-    mutant = MUTANT[name]
-    build = SPELLING[mutant.base].args
-    assert any(agree(eager(mutant.module(), args), eager(SPELLING[mutant.base].module(), args),
-                     tol=1e-3) for args in (build("example", 2), build("wide", 2))), \
-        f"{name}: the same as {mutant.base} ({mutant.change})"
+    assert_differs(MUTANT[name], SPELLING[MUTANT[name].base])
 
 
 # --- collapse ----------------------------------------------------------------------------------
@@ -256,13 +241,8 @@ def test_symbolic_batch_fuses_and_computes_at_batch_1_and_3():
 
 @pytest.mark.parametrize("name, form", _cases(MUTANTS, lambda m: m.name, FORMS))
 def test_mutant_is_never_fused_wrongly(name, form):
-    mutant = MUTANT[name]
     result = collapsed(name, form)
-    fused = result.counts.get(LINEAR, 0) + result.counts.get(DELTA, 0)
-    if mutant.inside:
-        assert fused == 0, f"{name} ({mutant.change}, {form}): fused; {report(result)}"
-    if fused == 0:
-        assert result.misses, f"{name} ({form}): left without a near-miss; {report(result)}"
+    assert_mutant_verdict(name, form, MUTANT[name], result)
     _computes(name, form, result)
 
 

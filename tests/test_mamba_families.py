@@ -21,6 +21,7 @@ import torch
 
 import gdn_fx
 from gdn_fx import tract_check
+from test_mamba_regions import Logits
 
 tf = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # whole-model exports; they still run by default
@@ -63,19 +64,10 @@ FAMILIES = {
 LENGTHS = (2, 37)
 
 
-class _Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(ids, use_cache=False).logits
-
-
 @functools.cache
 def _model(family: str):
     torch.manual_seed(0)
-    return _Logits(tf.AutoModelForCausalLM.from_config(FAMILIES[family][0]()).eval())
+    return Logits(tf.AutoModelForCausalLM.from_config(FAMILIES[family][0]()).eval())
 
 
 @functools.cache

@@ -18,7 +18,9 @@ import gdn_fx
 transformers = pytest.importorskip("transformers")
 
 
-class _Logits(torch.nn.Module):
+class Logits(torch.nn.Module):
+    """A causal LM as a module of token ids -> logits, no cache (an export as users write it)."""
+
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -33,7 +35,7 @@ def _mamba1(seq: int):
                                       num_hidden_layers=1, expand=2, conv_kernel=4,
                                       time_step_rank=2)
     torch.manual_seed(0)
-    model = _Logits(transformers.MambaForCausalLM(config).eval())
+    model = Logits(transformers.MambaForCausalLM(config).eval())
     ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(1))
     return model, ids, torch.export.export(model, (ids,))
 
