@@ -575,7 +575,7 @@ def _padded_from(nodes: set, padded: int) -> list:
             continue
         changed = [(a, b) for a, b in zip(before, after) if a != b]
         if len(changed) == 1 and changed[0][1] == padded and \
-                isinstance(changed[0][0], int) and changed[0][0] >= 2:
+                isinstance(changed[0][0], int) and changed[0][0] >= 1:
             found.add(changed[0][0])
     return sorted(found, reverse=True)
 

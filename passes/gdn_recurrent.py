@@ -108,11 +108,23 @@ def _candidates(graph: fx.Graph, order: dict):
     nodes = list(graph.nodes)
     for cluster in find_clusters(graph, order):
         tags = tag_window(nodes, cluster)
+        if cluster.length == 1 and _drop_derived_reads(cluster, tags):
+            tags = tag_window(nodes, cluster)
         try:
             candidates = step_candidates(cluster, tags, order)
         except NoMatch as err:
             candidates = err
         yield cluster, tags, candidates
+
+
+def _drop_derived_reads(cluster: Cluster, tags: dict) -> bool:
+    """In a single step, ``x[:, :, 0]`` of a value the step computes (its output's size-1
+    axis, squeezed: Mamba1's ``(S @ C)[:, :, 0]`` at one token) reads no tensor position by
+    position: it is part of the step. Whether any was dropped."""
+    derived = [node for node, read in cluster.reads.items() if read.source in tags]
+    for node in derived:
+        del cluster.reads[node]
+    return bool(derived)
 
 
 def _loop_like(cluster: Cluster, outs=None, tags=None) -> bool:

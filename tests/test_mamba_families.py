@@ -3,9 +3,9 @@ is one gated_linear_scan, and the collapsed program computes what the model comp
 
 The six Mamba2 families (mamba2, bamba, falcon_h1 with attention and Mamba2 in parallel,
 granitemoehybrid with MoE, nemotron_h, zamba2 with its hybrid blocks) run transformers' SSD
-chunk scan (chunk 16 here): S = 2 is one padded chunk, S = 37 three chunks, the last padded.
-The three Mamba1 families (mamba, falcon_mamba, jamba) run the per-token loop that export
-unrolls. Weights are drawn at std 0.3 so that the scans move the logits (at transformers'
+chunk scan (chunk 16 here): S = 1 and 2 are one padded chunk, S = 37 three chunks, the last
+padded. The three Mamba1 families (mamba, falcon_mamba, jamba) run the per-token loop that
+export unrolls (one step at S = 1). Weights are drawn at std 0.3 so that the scans move the logits (at transformers'
 default 0.02 a scan's output is lost in the residual: a test that cannot fail); the last test
 shows that they do. One family of each kind, without attention, is also exported to NNEF and
 run in tract (the hybrids' attention masks, as a plain export traces them, read a ``diff``
@@ -61,7 +61,7 @@ FAMILIES = {
         expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=4,
         mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False), 1),
 }
-LENGTHS = (2, 37)
+LENGTHS = (1, 2, 37)
 
 
 @functools.cache
