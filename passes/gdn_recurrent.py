@@ -68,7 +68,7 @@ def plan_recurrences(graph: fx.Graph) -> tuple[list[Fusion], list[Miss]]:
 def find_recurrences(graph: fx.Graph, order: dict) -> tuple[list[Recurrence], list[Miss]]:
     """Every loop that is the delta rule, and a near-miss for each loop-like one that is not.
     ``order``: node -> position in ``graph``."""
-    found, misses = [], []
+    found, misses, single = [], [], []
     for cluster, tags, candidates in _candidates(graph, order):
         if isinstance(candidates, NoMatch):
             if _loop_like(cluster):
@@ -83,7 +83,16 @@ def find_recurrences(graph: fx.Graph, order: dict) -> tuple[list[Recurrence], li
                     failed.append((outs[0], _miss(err, cluster.length)))
         fused = {n for rec in here for n in rec.region.nodes}
         found += here  # a single step's other candidates inside a proven step are not misses
-        misses += [miss for out, miss in failed if out not in fused]
+        for out, miss in failed:
+            if out not in fused and cluster.length == 1:
+                single.append((cluster, miss))
+            elif out not in fused:
+                misses.append(miss)
+    # a "single step" whose reads index values of a loop fused here (Mamba1's (S @ C)[:, :, 0]
+    # in every step) is part of that loop, not a step of its own
+    fused = {n for rec in found for n in rec.region.nodes}
+    misses += [miss for cluster, miss in single
+               if not any(read.source in fused for read in cluster.reads.values())]
     return found, misses
 
 

@@ -91,6 +91,9 @@ def test_each_mamba_layer_is_one_gated_linear_scan(family, seq):
     ids, want, _, result = _collapsed(family, seq)
     assert result.counts.get(LINEAR, 0) == FAMILIES[family][1], result.explain()
     assert result.counts.get(DELTA, 0) == 0, result.explain()
+    if seq > 1:  # nothing else looks like a loop (at one token every size-1 axis does: a
+        # Mamba1 step's z gate still leaves a near-miss there)
+        assert not result.misses, result.explain()
     with torch.no_grad():
         got = result.program.module()(ids)
     assert _rel(got, want) <= TOL
