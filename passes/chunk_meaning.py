@@ -50,7 +50,7 @@ from gdn_fx.passes.program import (ASSERT_META, ATEN, base_of, dtype, fake_mode_
                                    is_pure, is_zeros, shape, static_int, view_writes)
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss, NoMatch
-from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan
+from gdn_fx.passes.scan_fusion import NAME, ScanRegion, check_dtypes, plan_scan, time_order
 from gdn_fx.passes.evaluator import (TOLERANCE, Float64, Sampler, Verdict, copy_constant,
                                      evaluable, exact_scale, fitted_scale, one_scale, rel,
                                      wide_problem)
@@ -245,11 +245,7 @@ def _to_axis(out_steps: Optional[list], axis: int) -> list:
     plan_operands left them to one permute (None)."""
     if out_steps is not None:
         return list(out_steps)
-    if axis == 1:
-        return []
-    order = [0, 2, 3]
-    order.insert(axis, 1)
-    return [(ATEN.permute.default, (order,))]
+    return [] if axis == 1 else [(ATEN.permute.default, (time_order(axis),))]
 
 
 def _op_state_shape(fit: Fit, layout: Layout) -> list:
@@ -539,7 +535,7 @@ def _fits(inputs: list, value: fx.Node, final: Optional[fx.Node], nodes: set) ->
     for the delta rule (q, k, v, g, beta), four for the gated linear recurrence."""
     if len(inputs) not in (4, 5, 6) or shape(value) is None:
         return []
-    fits = []
+    fits, pads = [], _pads(nodes)
     for state in [None] + inputs:
         seqs = [n for n in inputs if n is not state]
         if len(seqs) not in (4, 5):
@@ -552,7 +548,7 @@ def _fits(inputs: list, value: fx.Node, final: Optional[fx.Node], nodes: set) ->
         for v_axis, padded in enumerate(shape(value)):
             if padded < 2 or not _value_fits(shape(value), v_axis, state_shape):
                 continue
-            for length in [padded] + _padded_from(nodes, padded):
+            for length in [padded] + pads.get(padded, []):
                 for axes in itertools.product(*[_axes_of(n, length, state_shape)
                                                 for n in seqs]):
                     groups = list(zip(seqs, axes))
@@ -563,10 +559,10 @@ def _fits(inputs: list, value: fx.Node, final: Optional[fx.Node], nodes: set) ->
     return fits
 
 
-def _padded_from(nodes: set, padded: int) -> list:
-    """The lengths (>= 2) that a pad in the region makes ``padded`` long on one axis (the
-    inputs padded to whole chunks inside it), longest first."""
-    found = set()
+def _pads(nodes: set) -> dict:
+    """padded length -> the lengths (longest first) that a pad in the region makes that long
+    on one axis (the inputs padded to whole chunks inside it)."""
+    found: dict = {}
     for node in nodes:
         if node.target not in PADS or not isinstance(node.args[0], fx.Node):
             continue
@@ -574,10 +570,10 @@ def _padded_from(nodes: set, padded: int) -> list:
         if before is None or after is None or len(before) != len(after):
             continue
         changed = [(a, b) for a, b in zip(before, after) if a != b]
-        if len(changed) == 1 and changed[0][1] == padded and \
-                isinstance(changed[0][0], int) and changed[0][0] >= 1:
-            found.add(changed[0][0])
-    return sorted(found, reverse=True)
+        if len(changed) == 1 and all(isinstance(d, int) for d in changed[0]) and \
+                1 <= changed[0][0] < changed[0][1]:
+            found.setdefault(changed[0][1], set()).add(changed[0][0])
+    return {padded: sorted(lengths, reverse=True) for padded, lengths in found.items()}
 
 
 def _axes_of(node: fx.Node, length: int, state_shape) -> list:

@@ -84,9 +84,11 @@ def find_recurrences(graph: fx.Graph, order: dict) -> tuple[list[Recurrence], li
         fused = {n for rec in here for n in rec.region.nodes}
         found += here  # a single step's other candidates inside a proven step are not misses
         for out, miss in failed:
-            if out not in fused and cluster.length == 1:
+            if out in fused:
+                continue
+            if cluster.length == 1:
                 single.append((cluster, miss))
-            elif out not in fused:
+            else:
                 misses.append(miss)
     # a "single step" whose reads index values of a loop fused here (Mamba1's (S @ C)[:, :, 0]
     # in every step) is part of that loop, not a step of its own
@@ -253,15 +255,12 @@ def _ending_with(last: Step, final, loop: Loop, t: int, tags: dict, cluster: Clu
     None) when the step would read from another step. ``layout``: the other steps'."""
     body, reads, earlier, consts = walk_body([last.out] + ([final] if final else []), t,
                                              tags, cluster)
-    if len(earlier) > 1:
+    if len(earlier) > 1 or (t > 0 and not earlier):
         return None, None
-    if t > 0 and not earlier:
-        return None, None
-    # the state received: from the step before, or (step 0) the initial state, maybe the
+    # the state received: from the step before, or (step 0) the initial state, maybe its
     # product with a decay from before the loop (loops.take_decays)
     received = earlier[0] if t > 0 else next(
-        (c for c in consts if (undecayed(c, 0, tags) or (None,))[0] is last.state_in),
-        last.state_in)
+        (c for c in consts if undecayed(c, 0, tags) == (last.state_in, c)), last.state_in)
     state_in, consts = take_decays(received, t, tags, body, reads, consts)
     if state_in is not last.state_in:
         return None, None

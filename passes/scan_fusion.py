@@ -241,9 +241,14 @@ def _time_to(graph: fx.Graph, out: fx.Node, axis: int, mode) -> fx.Node:
     """The op's time-major [B, T, H, Dv] output with its time axis moved to ``axis``."""
     if axis == 1:
         return out
+    return add_node(graph, ATEN.permute.default, (out, time_order(axis)), mode=mode)
+
+
+def time_order(axis: int) -> list:
+    """The permutation that moves the time axis of the op's [B, T, H, Dv] output to ``axis``."""
     order = [0, 2, 3]
     order.insert(axis, 1)
-    return add_node(graph, ATEN.permute.default, (out, order), mode=mode)
+    return order
 
 
 def _swaps_axes_1_2(node: fx.Node) -> bool:

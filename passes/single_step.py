@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from gdn_fx.passes.loops import MULS
 from gdn_fx.passes.program import ATEN, dtype, same_sizes, shape
 from gdn_fx.passes.rebuild import Fusion
 from gdn_fx.passes.result import Miss
@@ -20,7 +21,6 @@ from gdn_fx.passes.result import Miss
 NAME = "gated_linear_scan"  # (a delta rule written so would be said the same way)
 PASSES = {ATEN.clone.default, ATEN.alias.default, ATEN._to_copy.default, ATEN.to.dtype,
           ATEN.contiguous.default}
-MULS = {ATEN.mul.Tensor, ATEN.mul_.Tensor}
 ADDS = {ATEN.add.Tensor, ATEN.add_.Tensor}
 
 
@@ -44,7 +44,7 @@ def _updates(graph: fx.Graph) -> list:
     for node in graph.nodes:
         if node.target not in MULS or len(node.args) != 2:
             continue
-        state = next((_input_of(a) for a in node.args if _input_of(a) is not None), None)
+        state = next(filter(None, map(_input_of, node.args)), None)
         if state is None or not same_sizes(shape(node), shape(state)):
             continue
         adds = [u for u in node.users if u.target in ADDS and same_sizes(shape(u), shape(node))]
@@ -67,29 +67,25 @@ def _input_of(value) -> fx.Node | None:
 
 def _written_back(new: fx.Node) -> bool:
     """Whether the new state (through copies and casts) is copied into a value in place."""
-    todo = [new]
-    while todo:
-        node = todo.pop()
-        for user in node.users:
-            if user.target is ATEN.copy_.default and user.args[1] is node:
-                return True
-            if user.target in PASSES:
-                todo.append(user)
-    return False
+    return any(user.target is ATEN.copy_.default and user.args[1] is value
+               for value, user in _reads_of(new))
 
 
 def _decayed_again(new: fx.Node) -> bool:
     """Whether the new state (through copies and casts) is multiplied and added to again."""
+    return any(user.target in MULS and same_sizes(shape(user), shape(new))
+               and any(u.target in ADDS for u in user.users) for _, user in _reads_of(new))
+
+
+def _reads_of(new: fx.Node):
+    """(value, reader) for the readers of ``new`` and of its copies and casts."""
     todo = [new]
     while todo:
         node = todo.pop()
         for user in node.users:
+            yield node, user
             if user.target in PASSES:
                 todo.append(user)
-            elif user.target in MULS and same_sizes(shape(user), shape(new)) and any(
-                    u.target in ADDS for u in user.users):
-                return True
-    return False
 
 
 def _reason(state: fx.Node, mul: fx.Node) -> str:
