@@ -21,7 +21,7 @@ from gdn_fx.errors import ExportRefused
 from gdn_fx.hf import DecodeStep, check_dynamic, export_nnef_dynamic, prepare_for_nnef, tiny_model
 from gdn_fx.lowering.t2n import traceable as prog
 from gdn_fx.lowering.t2n.dynamic_axes import refuse_frozen_axes
-from programs import KNOWN_DECODE_MISSES, unknown_misses
+from programs import KNOWN_DECODE_MISSES, decode_fusions, unknown_misses
 
 pytestmark = pytest.mark.slow  # whole-model exports; they still run by default
 
@@ -48,8 +48,9 @@ def collapsed(step: DecodeStep, seq_len: int, family: str = ""):
     near-misses ``family``'s decode is known to leave are allowed (programs.py)."""
     args = step.example_inputs(seq_len=seq_len)
     result = gdn_fx.collapse(torch.export.export(step, args, strict=False))
-    counts = {op: result.counts.get(op, 0) for op in step.expected_fusions}
-    assert counts == step.expected_fusions, result.explain()
+    want = decode_fusions(family, step) if seq_len == 1 else step.expected_fusions
+    counts = {op: result.counts.get(op, 0) for op in want}
+    assert counts == want, result.explain()
     assert not unknown_misses(family, result.misses), result.explain()
     return args, result
 
@@ -71,7 +72,7 @@ def test_decode_step_runs_in_tract_like_eager(family, tmp_path):
     path = gdn_fx.export_nnef(result.program, tmp_path / "decode.nnef.tgz",
                               input_names=step.input_names, output_names=step.output_names)
     # Every fused node was lowered by a table candidate (none left to torch-to-nnef).
-    assert decided_ops(path) == step.expected_fusions
+    assert decided_ops(path) == decode_fusions(family, step)
     assert_tract_matches(path, step, args)
 
 

@@ -40,7 +40,8 @@ def test_tiny_config_is_small_hybrid_and_runs(name):
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
         assert getattr(cfg, attr) is None or getattr(cfg, attr) < cfg.vocab_size
     types = list(getattr(cfg, "layer_types", None) or cfg.layers_block_type)
-    assert any(t in LINEAR_TYPES for t in types) and any(t not in LINEAR_TYPES for t in types)
+    assert any(t in (*LINEAR_TYPES, "hybrid") for t in types)  # hybrid: both in one layer
+    assert any(t not in (*LINEAR_TYPES, "mlp") for t in types) == family(name).hybrid
     ids = torch.randint(*SAFE_TOKEN_RANGE, (2, 5))
     with torch.no_grad():
         logits = model(name)(input_ids=ids).logits
@@ -89,6 +90,10 @@ def test_specs_follow_layer_types(name):
             assert kinds[index] == ["conv"]
         elif layer_type == "linear_attention":
             assert kinds[index] == ["conv", "recurrent"]
+        elif layer_type == "hybrid":  # falcon_h1, zamba2: Mamba2 and attention in one layer
+            assert kinds[index] == ["conv", "recurrent", "key", "value"]
+        elif layer_type == "mlp":  # nemotron_h's MLP-only layers hold nothing
+            assert index not in kinds
         else:
             assert kinds[index][:2] == ["key", "value"]
     assert step.input_names[0] == "input_ids" and step.output_names[0] == "logits"
@@ -101,10 +106,12 @@ def test_expected_fusions_count_linear_layers(name):
     types = list(getattr(text_config(name), "layer_types", None)
                  or text_config(name).layers_block_type)
     step = DecodeStep(model(name))
-    delta = family(name).mixer in ("gdn", "kda")
+    mixer = family(name).mixer
+    scans = types.count("linear_attention") + types.count("hybrid")
+    linear = {"gated_linear_scan": scans} if mixer == "mamba2" else {}
     assert step.expected_fusions == {
-        "gated_delta_scan": types.count("linear_attention") if delta else 0,
-        "causal_conv1d_update": sum(t in LINEAR_TYPES for t in types)}
+        "gated_delta_scan": scans if mixer in ("gdn", "kda") else 0, **linear,
+        "causal_conv1d_update": sum(t in (*LINEAR_TYPES, "hybrid") for t in types)}
 
 
 # ---------------------------------------------------------------- eager DecodeStep
@@ -152,8 +159,12 @@ def test_recurrent_rule_prefill_runs_per_token_functions_close_to_transformers(
     args = step.example_inputs(seq_len=8)  # a transformers prefill: spy only after it
     spies = spy_on(monkeypatch, name)
     got = step.eager(*args)
+    types = list(getattr(text_config(name), "layer_types", None) or [])
+    # a hybrid layer's cache (attention and Mamba2 in one) keeps transformers' own conv
+    # state update: its prefill conv stays the padded conv over the concatenation
+    convs = step.expected_fusions["causal_conv1d_update"] - types.count("hybrid")
     fusions = step.expected_fusions
-    assert spies["conv_update"].lengths == [8] * fusions["causal_conv1d_update"]
+    assert spies["conv_update"].lengths == [8] * convs
     if "recurrent" in spies:
         assert spies["recurrent"].lengths == [8] * fusions["gated_delta_scan"]
         assert spies["chunk"].lengths == []

@@ -42,6 +42,17 @@ COUNTS_TOKENS: bool = LINEAR_LAYER is not None and hasattr(LINEAR_LAYER, "increa
 BOUND_KERNELS = ("causal_conv1d_update", "chunk_gated_delta_rule", "recurrent_gated_delta_rule")
 
 
+# Model types whose forward, given no position_ids, numbers the new tokens from 0 whatever the
+# cache holds (bamba in 5.25: ``torch.arange(S)``), where generate passes P + arange(S):
+# DecodeStep passes those positions itself.
+NUMBERS_FROM_ZERO = ("bamba",)
+
+
+def numbers_from_zero(model: nn.Module) -> bool:
+    """Whether ``model`` must be given its positions on a warm cache (NUMBERS_FROM_ZERO)."""
+    return getattr(model.config, "model_type", None) in NUMBERS_FROM_ZERO
+
+
 def cache_kwarg(model: nn.Module) -> str:
     """The keyword ``model``'s forward takes its cache by: ``cache`` (5.24) or
     ``past_key_values`` (earlier releases)."""

@@ -39,13 +39,14 @@ class Family:
     config_class: str  # a name in the ``transformers`` namespace
     model_class: str
     fields: dict
-    mixer: str  # "gdn", "kda", "conv" (short conv only) or "mamba2"
+    mixer: str  # "gdn", "kda", "conv" (short conv only) or "mamba2" (Mamba2's SSD)
     # The capability flags: tests derive their family lists from them, so a new family is
     # tested for what it can do by saying it here (docs/contributing.md).
     # export_generator writes it a generation-ready artifact (glm5_next's indexer has sizes
-    # that depend on values; mamba2's SSD scan is not a delta rule)
+    # that depend on values)
     generates: bool = True
     moe: bool = False  # routed experts in some layers
+    hybrid: bool = True  # attention layers too (mamba2 is Mamba2 layers only)
 
     @property
     def kda(self) -> bool:
@@ -70,6 +71,16 @@ _ATTN = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_
 _MLA = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
             qk_nope_head_dim=8, v_head_dim=8, num_experts_per_tok=2)
+
+
+# Mamba families draw their weights at std 0.3: at transformers' 0.02 a scan's output is
+# lost in the residual stream, and a generation check could not see a wrong scan
+# (tests/test_mamba_families.py shows the difference).
+SSM_INIT = 0.3
+_MAMBA_ATTN = dict(initializer_range=SSM_INIT, hidden_size=32, intermediate_size=64,
+                   num_attention_heads=4, num_key_value_heads=2)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+               mamba_chunk_size=16, mamba_expand=2, mamba_d_conv=4)
 
 
 def _gdn(hk: int, hv: int, dk: int, dv: int) -> dict:
@@ -105,9 +116,25 @@ _FAMILIES = [
         **_ATTN, intermediate_size=64, block_multiple_of=16, num_hidden_layers=3,
         layer_types=["conv", FULL, "conv"], conv_bias=True, conv_L_cache=3), "conv"),
     Family("bamba", "BambaConfig", "BambaForCausalLM", dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_state=8,
-        mamba_chunk_size=16, mamba_d_conv=4), "mamba2", generates=False),
+        **_MAMBA_ATTN, num_hidden_layers=3, attn_layer_indices=[1], **_MAMBA2), "mamba2"),
+    Family("mamba2", "Mamba2Config", "Mamba2ForCausalLM", dict(
+        initializer_range=SSM_INIT, hidden_size=32, num_hidden_layers=2, num_heads=4,
+        head_dim=16, n_groups=2, state_size=8, chunk_size=16, expand=2, conv_kernel=4),
+           "mamba2", hybrid=False),
+    Family("granitemoehybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        **_MAMBA_ATTN, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+        **_MAMBA2, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32),
+           "mamba2", moe=True),
+    Family("nemotron_h", "NemotronHConfig", "NemotronHForCausalLM", dict(
+        **_MAMBA_ATTN, hybrid_override_pattern="M*M-", ssm_state_size=8, mamba_num_heads=4,
+        mamba_head_dim=16, n_groups=2, chunk_size=16, expand=2, conv_kernel=4), "mamba2"),
+    Family("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM", dict(
+        **_MAMBA_ATTN, num_hidden_layers=2, **_MAMBA2, head_dim=16, mamba_d_ssm=64),
+           "mamba2"),
+    Family("zamba2", "Zamba2Config", "Zamba2ForCausalLM", dict(
+        **_MAMBA_ATTN, mamba_d_state=8, mamba_headdim=16, mamba_ngroups=2, chunk_size=16,
+        mamba_expand=2, mamba_d_conv=4, n_mamba_heads=4, num_hidden_layers=3,
+        layers_block_type=["mamba", "hybrid", "mamba"]), "mamba2"),
 ]
 
 

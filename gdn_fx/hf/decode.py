@@ -76,6 +76,8 @@ class DecodeStep(nn.Module):
         """``forward`` with ``model_kwargs`` passed on to the model (``position_ids``, an
         ``attention_mask``: the batched step, ``gdn_fx.hf.batch``)."""
         check_states(self.specs, states, input_ids.shape[0])
+        if "position_ids" not in model_kwargs and compat.numbers_from_zero(self.model):
+            model_kwargs["position_ids"] = self._positions(input_ids, states)
         swaps = patching.recurrent_swaps(self.modeling) if self.rule == "recurrent" else []
         if compat.LINEAR_LAYER is None:  # before 5.5: the family's cache, one export blocker
             swaps = swaps + list_cache.mask_swaps(self.model)
@@ -92,6 +94,15 @@ class DecodeStep(nn.Module):
             raise PatchError("a deferred conv-state update was not consumed: some "
                                "causal_conv1d_fn does not know gdn-fx's deferral")
         return (logits, *read_cache(cache, self.specs))
+
+    def _positions(self, input_ids: Tensor, states: Sequence[Tensor]) -> Tensor:
+        """``P + arange(S)``, P the attention caches' length (0 with none): the positions
+        transformers' generate passes."""
+        past = next((t.shape[s.past_axis] for s, t in zip(self.specs, states)
+                     if s.past_axis is not None), 0)
+        count = input_ids.shape[1]
+        return (torch.arange(count, device=input_ids.device) + past).expand(
+            input_ids.shape[0], count)
 
     def _cache(self, states: list[Tensor]):
         """The cache the model runs on, holding ``states`` (list_cache.py before 5.5)."""
@@ -131,15 +142,17 @@ class DecodeStep(nn.Module):
     @property
     def expected_fusions(self) -> dict[str, int]:
         """How many fused nodes a fully collapsed (or reified) step holds, per op name: one
-        scan per delta-rule layer, one conv update per conv state."""
+        scan per delta-rule or Mamba2 layer, one conv update per conv state."""
         has_rule = any(m.rule_kind is not None for m in self.modeling)
+        has_mamba2 = any(m.has_mamba2 for m in self.modeling)
         # A conv update the rule can find: a modeling file's function, or (5.5-5.12) a kernel
         # the layers bind themselves; other conv layers (lfm2 before 5.15) are written inline.
         has_conv = (any(m.has_conv for m in self.modeling)
                     or compat.bound_kernel(self.model, "causal_conv1d_update"))
         recurrent = sum(s.kind == "recurrent" for s in self.specs)
         conv = sum(s.kind == "conv" for s in self.specs)
-        return {"gated_delta_scan": recurrent if has_rule else 0,
+        linear = {"gated_linear_scan": recurrent} if has_mamba2 else {}  # Mamba2 models only
+        return {"gated_delta_scan": recurrent if has_rule else 0, **linear,
                 "causal_conv1d_update": conv if has_conv else 0}
 
     def _can_defer(self) -> bool:
@@ -201,10 +214,16 @@ def _random_state(spec: StateSpec, batch: int, past_len: int, gen: torch.Generat
 def hf_continue(model: nn.Module, prompt_ids: Tensor, input_ids: Tensor,
                 specs: Optional[Sequence[StateSpec]] = None) -> tuple[Tensor, ...]:
     """transformers' own flow, independent of DecodeStep: prefill ``prompt_ids`` into a
-    ``DynamicCache``, run ``input_ids`` on it; returns ``(logits, *states)`` in spec order."""
+    ``DynamicCache``, run ``input_ids`` on it (with the positions generate passes, where the
+    forward numbers tokens from 0: compat.NUMBERS_FROM_ZERO); returns ``(logits, *states)``
+    in spec order."""
     specs = discover_specs(model) if specs is None else specs
     cache = new_cache(model)  # the class transformers builds itself (its own before 5.5)
+    after = {}
+    if compat.numbers_from_zero(model):  # as generate gives them
+        past, count = prompt_ids.shape[1], input_ids.shape[1]
+        after = {"position_ids": torch.arange(past, past + count).expand(len(input_ids), -1)}
     with torch.no_grad():
         compat.run(model, cache, input_ids=prompt_ids)
-        out = compat.run(model, cache, input_ids=input_ids)
+        out = compat.run(model, cache, input_ids=input_ids, **after)
     return (out.logits, *read_cache(cache, specs))

@@ -1,9 +1,10 @@
 """reify: run a transformers hybrid's linear-attention layers through the gdn-fx ops.
 
 The capture-before-trace path. :func:`reify` swaps, in each modeling file the model's layers
-come from, the recurrent AND chunk delta rules, ``causal_conv1d_update`` and
-``causal_conv1d_fn`` for drop-ins with transformers' call signatures and eager math, which call
-``torch.ops.gdn_fx.gated_delta_scan`` / ``causal_conv1d_update``. A reified model exports with a
+come from, the recurrent AND chunk delta rules, the Mamba2 scans (``ssm_dropins.py``),
+``causal_conv1d_update`` and ``causal_conv1d_fn`` for drop-ins with transformers' call
+signatures and eager math, which call ``torch.ops.gdn_fx.gated_delta_scan`` /
+``gated_linear_scan`` / ``causal_conv1d_update``. A reified model exports with a
 dynamic sequence axis (the per-token Python loop is gone) and its graph holds one fused node per
 layer from the start.
 
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 import gdn_fx.ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
 from gdn_fx.errors import UnsupportedModel
-from gdn_fx.hf import compat, patching
+from gdn_fx.hf import compat, patching, ssm_dropins
 from gdn_fx.hf.patching import CONV_FN, CONV_UPDATE, ModelingModule
 from gdn_fx.hf.rule_kinds import kind_named
 
@@ -139,6 +140,16 @@ def _rule_swaps(m: ModelingModule, exact: bool) -> list[tuple[Any, str, Any]]:
     return swaps
 
 
+def _mamba2_swaps(m: ModelingModule) -> list[tuple[Any, str, Any]]:
+    if not m.has_mamba2:
+        return []
+    chunk, step = ssm_dropins.MAMBA2_NAMES
+    return [(m.module, name, patching.mark(_copy(fn), "reified-ssm", getattr(m.module, name)))
+            for name, fn in ((chunk, ssm_dropins.chunk_scan),
+                             (step, ssm_dropins.selective_state_update))
+            if patching.role(getattr(m.module, name)) is None]
+
+
 def _conv_swaps(m: ModelingModule) -> list[tuple[Any, str, Any]]:
     if not m.has_conv or patching.role(getattr(m.module, CONV_UPDATE)) is not None:
         return []
@@ -188,9 +199,9 @@ def reify(model: nn.Module, *, exact: bool = False, conv: bool = True) -> Reifie
     """
     compat.require_module_kernels(model, "reify")
     modules = patching.modeling_modules(model)
-    if not any(m.rule_kind is not None or m.has_conv for m in modules):
-        raise UnsupportedModel(f"{type(model).__name__}: no linear-attention or conv layers "
-                               "found in its modeling files")
-    swaps = [s for m in modules
-             for s in (*_rule_swaps(m, exact), *(_conv_swaps(m) if conv else []))]
+    if not any(m.rule_kind is not None or m.has_conv or m.has_mamba2 for m in modules):
+        raise UnsupportedModel(f"{type(model).__name__}: no linear-attention, Mamba2 or conv "
+                               "layers found in its modeling files")
+    swaps = [s for m in modules for s in (*_rule_swaps(m, exact), *_mamba2_swaps(m),
+                                          *(_conv_swaps(m) if conv else []))]
     return Reified(modules, patching.Patches(swaps).apply())

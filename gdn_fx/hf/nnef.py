@@ -66,11 +66,15 @@ def prepare_for_nnef(model: nn.Module) -> nn.Module:
 
 
 def fused_counts(program: torch.export.ExportedProgram) -> dict[str, int]:
-    counts = {"gated_delta_scan": 0, "causal_conv1d_update": 0}
+    """Fused nodes per op name, as ``DecodeStep.expected_fusions`` lists them (the linear
+    scan only where there is one)."""
+    counts = {"gated_delta_scan": 0, "gated_linear_scan": 0, "causal_conv1d_update": 0}
     for node in program.graph.nodes:
         for name in counts:
             if node.target is getattr(torch.ops.gdn_fx, name).default:
                 counts[name] += 1
+    if not counts["gated_linear_scan"]:
+        del counts["gated_linear_scan"]
     return counts
 
 

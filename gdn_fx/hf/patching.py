@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from gdn_fx.errors import PatchError
 from gdn_fx.hf import compat
 from gdn_fx.hf.rule_kinds import KINDS
+from gdn_fx.hf.ssm_dropins import MAMBA2_NAMES
 
 # family name -> (recurrent, chunk) function names, read off the one record per family
 RULE_NAMES = {name: kind.names for name, kind in KINDS.items()}
@@ -42,6 +43,8 @@ class ModelingModule:
     module: types.ModuleType
     rule_kind: Optional[str]  # a name in rule_kinds.KINDS, or None (no delta rule: lfm2, mamba2)
     has_conv: bool
+    # transformers' Mamba2 scan functions (ssm_dropins.MAMBA2_NAMES): the six Mamba2 families
+    has_mamba2: bool = False
 
     @property
     def name(self) -> str:
@@ -49,7 +52,8 @@ class ModelingModule:
 
 
 def modeling_modules(model: nn.Module) -> list[ModelingModule]:
-    """The modeling files of ``model``'s submodules that define delta rules or conv functions."""
+    """The modeling files of ``model``'s submodules that define delta rules, Mamba2 scans or
+    conv functions."""
     found: dict[str, ModelingModule] = {}
     for sub in model.modules():
         name = type(sub).__module__
@@ -61,8 +65,9 @@ def modeling_modules(model: nn.Module) -> list[ModelingModule]:
         # Before 5.15 these names can be None (optional kernels not installed): not functions.
         conv = callable(getattr(module, CONV_UPDATE, None)) and callable(getattr(module, CONV_FN,
                                                                                  None))
-        if kind is not None or conv:
-            found[name] = ModelingModule(module, kind, conv)
+        mamba2 = all(callable(getattr(module, n, None)) for n in MAMBA2_NAMES)
+        if kind is not None or conv or mamba2:
+            found[name] = ModelingModule(module, kind, conv, mamba2)
     return list(found.values())
 
 
