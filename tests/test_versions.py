@@ -22,7 +22,10 @@ from gdn_fx.hf.configs import FAMILIES, available_families, family, tiny_config
 pytestmark = pytest.mark.versions
 
 SIX = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "bamba"}
-HAS = {"5.0.0": {"qwen3_next", "lfm2", "bamba"}, "5.10.4": SIX, "5.15.0": SIX,
+# the Mamba families every release of the range has, nemotron_h from 5.15 on
+MAMBA = {"mamba2", "granitemoehybrid", "falcon_h1", "zamba2", "mamba", "falcon_mamba", "jamba"}
+HAS = {"5.0.0": {"qwen3_next", "lfm2", "bamba"} | MAMBA, "5.10.4": SIX,
+       "5.15.0": SIX | MAMBA | {"nemotron_h"},
        "5.24.0": set(FAMILIES), "5.25.0": set(FAMILIES)}
 VERSION = transformers.__version__
 # Releases whose helpers work end to end: LinearAttentionLayer slots, module-level kernels.
@@ -30,13 +33,14 @@ FULL = compat.LINEAR_LAYER is not None and hasattr(compat.LINEAR_LAYER(), "numbe
 # Before 5.5 each family has its own cache class: DecodeStep reads Qwen3-Next-style ones
 # (gdn_fx/hf/list_cache.py) and refuses lfm2's and bamba's.
 PER_MODEL = compat.LINEAR_LAYER is None
-OWN_CACHE_LAYOUT = {"lfm2", "bamba"}
+OWN_CACHE_LAYOUT = {"lfm2", "bamba"} | MAMBA
 AVAILABLE = available_families()
 
 
 def decode_families() -> list[str]:
-    """Families whose DecodeStep this release serves (beyond a refusal), the mamba2 one aside."""
-    served = [f for f in AVAILABLE if family(f).mixer != "mamba2"]
+    """Families whose DecodeStep this release serves (beyond a refusal), the Mamba ones
+    aside (tests/test_generator_mamba.py)."""
+    served = [f for f in AVAILABLE if family(f).mixer not in ("mamba2", "mamba1")]
     return [f for f in served if f not in OWN_CACHE_LAYOUT] if PER_MODEL else served
 
 

@@ -17,8 +17,9 @@ From 5.25 each linear-attention layer also counts the tokens it has seen
 layer 0's count even when layer 0 is linear: a cache built from explicit states must carry
 the cached length into its linear layers (:class:`CountingLayer`).
 
-The forward keyword of the cache is ``cache=`` from 5.24 and ``past_key_values=`` before (an
-older forward silently ignores an unknown ``cache=``), so it is read from the signature.
+The forward keyword of the cache is ``cache=`` from 5.24 and ``past_key_values=`` before
+(``cache_params=`` for the Mamba models without attention; an older forward silently ignores
+an unknown ``cache=``), so it is read from the signature.
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ def numbers_from_zero(model: nn.Module) -> bool:
 
 
 def cache_kwarg(model: nn.Module) -> str:
-    """The keyword ``model``'s forward takes its cache by: ``cache`` (5.24) or
-    ``past_key_values`` (earlier releases)."""
+    """The keyword ``model``'s forward takes its cache by: ``cache`` (5.24), or
+    ``cache_params`` (the Mamba models without attention) or ``past_key_values`` (earlier
+    releases)."""
     params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    # the Mamba models without attention took ``cache_params`` before 5.24
+    return next((k for k in ("cache", "cache_params") if k in params), "past_key_values")
 
 
 def run(model: nn.Module, cache: Any, **kwargs: Any) -> Any:
@@ -105,6 +108,18 @@ def set_state(layer: Any, kind: str, slot: Optional[int], tensor: Tensor) -> Non
     if kind == "conv":
         layer.conv_kernel_size[slot] = tensor.shape[-1]
     layer.has_previous_state[slot] = True
+
+
+def forget_states(layer: Any) -> None:
+    """Make a linear-attention cache layer (5.15 and later) empty, as a fresh cache's is:
+    no previous state, no state tensors; the model's first update writes new ones."""
+    for slot in slots(layer):
+        for kind in ("conv", "recurrent"):
+            getattr(layer, _table(layer, kind))[slot] = None
+            flag = ("is_conv_states_initialized" if kind == "conv"
+                    else "is_recurrent_states_initialized")
+            getattr(layer, flag)[slot] = False
+        layer.has_previous_state[slot] = False
 
 
 def kernels_bound_per_layer(model: nn.Module) -> bool:

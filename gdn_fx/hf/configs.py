@@ -39,7 +39,7 @@ class Family:
     config_class: str  # a name in the ``transformers`` namespace
     model_class: str
     fields: dict
-    mixer: str  # "gdn", "kda", "conv" (short conv only) or "mamba2" (Mamba2's SSD)
+    mixer: str  # "gdn", "kda", "conv" (short conv only), "mamba2" (SSD) or "mamba1"
     # The capability flags: tests derive their family lists from them, so a new family is
     # tested for what it can do by saying it here (docs/contributing.md).
     # export_generator writes it a generation-ready artifact (glm5_next's indexer has sizes
@@ -52,12 +52,6 @@ class Family:
     def kda(self) -> bool:
         """Kimi-delta attention: a gate per key channel instead of one per head."""
         return self.mixer == "kda"
-
-    @property
-    def dynamic(self) -> bool:
-        """Its prefill exports with a symbolic sequence length (mamba2's SSD chunk padding
-        specializes the length; see tests/test_hf_reify.py)."""
-        return self.mixer != "mamba2"
 
     @property
     def available(self) -> bool:
@@ -79,6 +73,8 @@ _MLA = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
 SSM_INIT = 0.3
 _MAMBA_ATTN = dict(initializer_range=SSM_INIT, hidden_size=32, intermediate_size=64,
                    num_attention_heads=4, num_key_value_heads=2)
+_MAMBA1 = dict(initializer_range=SSM_INIT, hidden_size=32, num_hidden_layers=2, state_size=8,
+               expand=2, conv_kernel=4, time_step_rank=4)
 _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
                mamba_chunk_size=16, mamba_expand=2, mamba_d_conv=4)
 
@@ -131,6 +127,15 @@ _FAMILIES = [
     Family("falcon_h1", "FalconH1Config", "FalconH1ForCausalLM", dict(
         **_MAMBA_ATTN, num_hidden_layers=2, **_MAMBA2, head_dim=16, mamba_d_ssm=64),
            "mamba2"),
+    Family("mamba", "MambaConfig", "MambaForCausalLM", dict(**_MAMBA1), "mamba1",
+           hybrid=False),
+    Family("falcon_mamba", "FalconMambaConfig", "FalconMambaForCausalLM", dict(**_MAMBA1),
+           "mamba1", hybrid=False),
+    Family("jamba", "JambaConfig", "JambaForCausalLM", dict(
+        **_MAMBA_ATTN, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        use_mamba_kernels=False), "mamba1", moe=True),
     Family("zamba2", "Zamba2Config", "Zamba2ForCausalLM", dict(
         **_MAMBA_ATTN, mamba_d_state=8, mamba_headdim=16, mamba_ngroups=2, chunk_size=16,
         mamba_expand=2, mamba_d_conv=4, n_mamba_heads=4, num_hidden_layers=3,

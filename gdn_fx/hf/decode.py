@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.export import Dim
 
 from gdn_fx.errors import PatchError, UsageError
-from gdn_fx.hf import compat, list_cache, patching
+from gdn_fx.hf import compat, list_cache, patching, ssm_dropins
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
 from gdn_fx.hf.states import (
     StateSpec,
@@ -57,6 +57,7 @@ class DecodeStep(nn.Module):
         self.whole_windows = whole_windows
         self.specs: list[StateSpec] = discover_specs(model)
         self.modeling: list[patching.ModelingModule] = patching.modeling_modules(model)
+        self.fresh_at_zero = ssm_dropins.limits_dt(model)  # see _cache
 
     @property
     def input_names(self) -> list[str]:
@@ -81,8 +82,9 @@ class DecodeStep(nn.Module):
         swaps = patching.recurrent_swaps(self.modeling) if self.rule == "recurrent" else []
         if compat.LINEAR_LAYER is None:  # before 5.5: the family's cache, one export blocker
             swaps = swaps + list_cache.mask_swaps(self.model)
-        with patching.Patches(swaps):
-            cache = self._cache([s.clone() for s in states])
+        past = self._past(states)
+        with patching.Patches(swaps), ssm_dropins.past_length(past):
+            cache = self._cache([s.clone() for s in states], past)
             try:
                 keep = {"logits_to_keep": 1} if self.last_logits else {}
                 logits = compat.run(self.model, cache, input_ids=input_ids, **keep,
@@ -95,22 +97,36 @@ class DecodeStep(nn.Module):
                                "causal_conv1d_fn does not know gdn-fx's deferral")
         return (logits, *read_cache(cache, self.specs))
 
+    def _past(self, states: Sequence[Tensor]):
+        """P, the attention caches' length; None for a model without attention caches."""
+        return next((t.shape[s.past_axis] for s, t in zip(self.specs, states)
+                     if s.past_axis is not None), None)
+
     def _positions(self, input_ids: Tensor, states: Sequence[Tensor]) -> Tensor:
-        """``P + arange(S)``, P the attention caches' length (0 with none): the positions
-        transformers' generate passes."""
-        past = next((t.shape[s.past_axis] for s, t in zip(self.specs, states)
-                     if s.past_axis is not None), 0)
+        """``P + arange(S)`` (P = 0 without attention caches): the positions transformers'
+        generate passes."""
+        past = self._past(states) or 0
         count = input_ids.shape[1]
         return (torch.arange(count, device=input_ids.device) + past).expand(
             input_ids.shape[0], count)
 
-    def _cache(self, states: list[Tensor]):
-        """The cache the model runs on, holding ``states`` (list_cache.py before 5.5)."""
+    def _cache(self, states: list[Tensor], past=None):
+        """The cache the model runs on, holding ``states`` (list_cache.py before 5.5).
+
+        A first prompt (P = 0, zero states) of a model whose first prompt and warm step
+        differ (``ssm_dropins.limits_dt``) leaves the linear layers empty, as transformers'
+        generate starts: its one-token branch is then the prefill's, not the warm step's."""
         if compat.LINEAR_LAYER is None:
             return list_cache.filled(self.model, self.specs, states)
         linear_class = patching.DeferringLinearAttentionLayer if self._can_defer() else None
-        return build_cache(self.model.config, self.specs, states, linear_class=linear_class,
-                           whole_windows=self.whole_windows)
+        cache = build_cache(self.model.config, self.specs, states, linear_class=linear_class,
+                            whole_windows=self.whole_windows)
+        if self.fresh_at_zero and isinstance(past, int) and past == 0 \
+                and not any(t.any() for t in states):
+            for layer in cache.layers:
+                if compat.is_linear(layer):
+                    compat.forget_states(layer)
+        return cache
 
     def dynamic_shapes(self, min_seq: int = 2, max_seq: Optional[int] = None) -> tuple:
         """``dynamic_shapes`` for ``torch.export.export(step, args, ...)``: a dynamic number
@@ -142,16 +158,16 @@ class DecodeStep(nn.Module):
     @property
     def expected_fusions(self) -> dict[str, int]:
         """How many fused nodes a fully collapsed (or reified) step holds, per op name: one
-        scan per delta-rule or Mamba2 layer, one conv update per conv state."""
+        scan per delta-rule or Mamba layer, one conv update per conv state."""
         has_rule = any(m.rule_kind is not None for m in self.modeling)
-        has_mamba2 = any(m.has_mamba2 for m in self.modeling)
+        has_ssm = any(m.ssm for m in self.modeling)
         # A conv update the rule can find: a modeling file's function, or (5.5-5.12) a kernel
         # the layers bind themselves; other conv layers (lfm2 before 5.15) are written inline.
         has_conv = (any(m.has_conv for m in self.modeling)
                     or compat.bound_kernel(self.model, "causal_conv1d_update"))
         recurrent = sum(s.kind == "recurrent" for s in self.specs)
         conv = sum(s.kind == "conv" for s in self.specs)
-        linear = {"gated_linear_scan": recurrent} if has_mamba2 else {}  # Mamba2 models only
+        linear = {"gated_linear_scan": recurrent} if has_ssm else {}  # Mamba models only
         return {"gated_delta_scan": recurrent if has_rule else 0, **linear,
                 "causal_conv1d_update": conv if has_conv else 0}
 

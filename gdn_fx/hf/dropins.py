@@ -1,7 +1,7 @@
 """reify: run a transformers hybrid's linear-attention layers through the gdn-fx ops.
 
 The capture-before-trace path. :func:`reify` swaps, in each modeling file the model's layers
-come from, the recurrent AND chunk delta rules, the Mamba2 scans (``ssm_dropins.py``),
+come from, the recurrent AND chunk delta rules, the Mamba scans (``ssm_dropins.py``),
 ``causal_conv1d_update`` and ``causal_conv1d_fn`` for drop-ins with transformers' call
 signatures and eager math, which call ``torch.ops.gdn_fx.gated_delta_scan`` /
 ``gated_linear_scan`` / ``causal_conv1d_update``. A reified model exports with a
@@ -140,13 +140,14 @@ def _rule_swaps(m: ModelingModule, exact: bool) -> list[tuple[Any, str, Any]]:
     return swaps
 
 
-def _mamba2_swaps(m: ModelingModule) -> list[tuple[Any, str, Any]]:
-    if not m.has_mamba2:
-        return []
+def _ssm_swaps(m: ModelingModule) -> list[tuple[Any, str, Any]]:
+    """The Mamba2 scans, or Mamba1's scan forward, of a modeling file (ssm_dropins.py)."""
     chunk, step = ssm_dropins.MAMBA2_NAMES
+    drop_ins = {"mamba2": ((chunk, ssm_dropins.chunk_scan),
+                           (step, ssm_dropins.selective_state_update)),
+                "mamba1": ((ssm_dropins.MAMBA1_NAME, ssm_dropins.mamba_scan_forward),)}
     return [(m.module, name, patching.mark(_copy(fn), "reified-ssm", getattr(m.module, name)))
-            for name, fn in ((chunk, ssm_dropins.chunk_scan),
-                             (step, ssm_dropins.selective_state_update))
+            for name, fn in drop_ins.get(m.ssm, ())
             if patching.role(getattr(m.module, name)) is None]
 
 
@@ -158,6 +159,19 @@ def _conv_swaps(m: ModelingModule) -> list[tuple[Any, str, Any]]:
     consumer = patching.conv_consumer(update, conv_fn, patching.original(hf_fn),
                                       "conv-fn-reified", hf_fn)
     return [(m.module, CONV_UPDATE, update), (m.module, CONV_FN, consumer)]
+
+
+def _require_ssm_functions(model: nn.Module, modules: list[ModelingModule]) -> None:
+    """Refuse a model with Mamba mixers (transformers' ``A_log``) whose modeling file has no
+    scan function to swap: its scan would stay a per-token loop or a padded SSD."""
+    swapped = {m.name for m in modules if m.ssm}
+    for sub in model.modules():
+        if isinstance(getattr(sub, "A_log", None), Tensor) and \
+                type(sub).__module__ not in swapped:
+            raise UnsupportedModel(
+                f"{type(sub).__name__} in transformers {compat.VERSION} calls no module-level "
+                "scan that reify can swap (Mamba2's mamba2_chunk_scan from 5.15, Mamba1's "
+                "mamba_scan_forward from 5.25): its scan cannot follow a symbolic S")
 
 
 def _copy(fn: Callable) -> Callable:
@@ -199,9 +213,10 @@ def reify(model: nn.Module, *, exact: bool = False, conv: bool = True) -> Reifie
     """
     compat.require_module_kernels(model, "reify")
     modules = patching.modeling_modules(model)
-    if not any(m.rule_kind is not None or m.has_conv or m.has_mamba2 for m in modules):
-        raise UnsupportedModel(f"{type(model).__name__}: no linear-attention, Mamba2 or conv "
+    _require_ssm_functions(model, modules)
+    if not any(m.rule_kind is not None or m.has_conv or m.ssm for m in modules):
+        raise UnsupportedModel(f"{type(model).__name__}: no linear-attention, Mamba or conv "
                                "layers found in its modeling files")
-    swaps = [s for m in modules for s in (*_rule_swaps(m, exact), *_mamba2_swaps(m),
+    swaps = [s for m in modules for s in (*_rule_swaps(m, exact), *_ssm_swaps(m),
                                           *(_conv_swaps(m) if conv else []))]
     return Reified(modules, patching.Patches(swaps).apply())

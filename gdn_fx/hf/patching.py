@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from gdn_fx.errors import PatchError
 from gdn_fx.hf import compat
 from gdn_fx.hf.rule_kinds import KINDS
-from gdn_fx.hf.ssm_dropins import MAMBA2_NAMES
+from gdn_fx.hf.ssm_dropins import MAMBA1_NAME, MAMBA2_NAMES
 
 # family name -> (recurrent, chunk) function names, read off the one record per family
 RULE_NAMES = {name: kind.names for name, kind in KINDS.items()}
@@ -43,8 +43,9 @@ class ModelingModule:
     module: types.ModuleType
     rule_kind: Optional[str]  # a name in rule_kinds.KINDS, or None (no delta rule: lfm2, mamba2)
     has_conv: bool
-    # transformers' Mamba2 scan functions (ssm_dropins.MAMBA2_NAMES): the six Mamba2 families
-    has_mamba2: bool = False
+    # "mamba2" or "mamba1": the file defines transformers' Mamba2 scans or Mamba1's scan
+    # forward (ssm_dropins.MAMBA2_NAMES, MAMBA1_NAME), which reify swaps; None otherwise
+    ssm: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -52,7 +53,7 @@ class ModelingModule:
 
 
 def modeling_modules(model: nn.Module) -> list[ModelingModule]:
-    """The modeling files of ``model``'s submodules that define delta rules, Mamba2 scans or
+    """The modeling files of ``model``'s submodules that define delta rules, Mamba scans or
     conv functions."""
     found: dict[str, ModelingModule] = {}
     for sub in model.modules():
@@ -65,9 +66,10 @@ def modeling_modules(model: nn.Module) -> list[ModelingModule]:
         # Before 5.15 these names can be None (optional kernels not installed): not functions.
         conv = callable(getattr(module, CONV_UPDATE, None)) and callable(getattr(module, CONV_FN,
                                                                                  None))
-        mamba2 = all(callable(getattr(module, n, None)) for n in MAMBA2_NAMES)
-        if kind is not None or conv or mamba2:
-            found[name] = ModelingModule(module, kind, conv, mamba2)
+        ssm = ("mamba2" if all(callable(getattr(module, n, None)) for n in MAMBA2_NAMES)
+               else "mamba1" if callable(getattr(module, MAMBA1_NAME, None)) else None)
+        if kind is not None or conv or ssm:
+            found[name] = ModelingModule(module, kind, conv, ssm)
     return list(found.values())
 
 

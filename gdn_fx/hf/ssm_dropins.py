@@ -1,4 +1,4 @@
-"""Drop-ins for transformers' Mamba2 scan functions, through ``gdn_fx::gated_linear_scan``.
+"""Drop-ins for transformers' Mamba2 and Mamba1 scans, through ``gdn_fx::gated_linear_scan``.
 
 From transformers 5.25 the six Mamba2 families (mamba2, bamba, granitemoehybrid, nemotron_h,
 falcon_h1, zamba2) call the same two module-level functions of their modeling file: the
@@ -17,17 +17,20 @@ outside the scan, written as transformers writes them.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 import gdn_fx.ops  # noqa: F401  (registers torch.ops.gdn_fx.*)
 
 LINEAR = torch.ops.gdn_fx.gated_linear_scan
-# (chunk form, one-token form): the names a Mamba2 modeling file defines (transformers 5.25)
+# (chunk form, one-token form): the names a Mamba2 modeling file defines (transformers 5.15+)
 MAMBA2_NAMES = ("mamba2_chunk_scan", "mamba2_selective_state_update")
+# the function a Mamba1 mixer calls with its cache (transformers 5.25)
+MAMBA1_NAME = "mamba_scan_forward"
 
 
 def _time_step(dt: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool) -> Tensor:
@@ -37,21 +40,53 @@ def _time_step(dt: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool) -> Tens
     return F.softplus(dt) if dt_softplus else dt
 
 
+class _Past:
+    """The cached length of the step in flight (``DecodeStep`` sets it: an int, or the
+    symbolic P of an export), None outside one."""
+
+    length = None
+
+
+PAST = _Past()
+
+
+@contextlib.contextmanager
+def past_length(length) -> Iterator[None]:
+    """Within the block, a warm cache means ``length > 0`` (a DecodeStep's states are given
+    even for a first prompt, as zeros at P = 0)."""
+    PAST.length = length
+    try:
+        yield
+    finally:
+        PAST.length = None
+
+
+def limits_dt(model: nn.Module) -> bool:
+    """Whether some Mamba2 mixer of ``model`` limits dt in prefill (Zamba2's time_step_min),
+    which its one-token step does not: then a first prompt of one token and a step on a warm
+    cache compute different functions."""
+    return any(tuple(getattr(m, "time_step_limit", ())) not in ((), (0.0, float("inf")))
+               for m in model.modules())
+
+
 def _limited(dt: Tensor, dt_limit: tuple[float, float], length, warm: bool) -> Tensor:
-    """dt within ``dt_limit``, except for one token on a given state.
+    """dt within ``dt_limit``, except for one token on a warm cache.
 
     transformers' ``mamba2_scan_forward`` runs ONE token on a cached state through
     ``mamba2_selective_state_update``, which takes no limit (Zamba2's ``time_step_min`` holds
-    in prefill only), and everything else through the chunk scan. Under a symbolic S that
-    branch was decided for the chunk scan, so here the one-token case is put back as a
-    select on S (a Python branch when S is a number)."""
+    in prefill only), and everything else, a first prompt of one token included, through
+    the chunk scan. Under a symbolic S (and P) that branch was decided for the chunk scan, so
+    here the one-token case is put back as a select; a Python branch on numbers."""
     limited = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
-    if not warm:
+    past = PAST.length
+    if not warm or (isinstance(past, int) and past == 0):
         return limited
-    if isinstance(length, int):
+    if isinstance(length, int) and (past is None or isinstance(past, int)):
         return dt if length == 1 else limited
-    more = (torch.arange(length, device=dt.device) > 0).any()  # S > 1, as a tensor
-    return torch.where(more, limited, dt)
+    step = ~(torch.arange(length, device=dt.device) > 0).any()  # S == 1, as a tensor
+    if past is not None and not isinstance(past, int):
+        step = step & (torch.arange(past + 1, device=dt.device) > 0).any()  # and P > 0
+    return torch.where(step, dt, limited)
 
 
 def chunk_scan(hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
@@ -109,3 +144,34 @@ def selective_state_update(state: Tensor, hidden_states: Tensor, dt: Tensor, A: 
     if z is not None:
         out = out * F.silu(z)
     return out.to(hidden_states.dtype)
+
+
+def mamba_scan_forward(module: nn.Module, hidden_states: Tensor, time_step: Tensor, B: Tensor,
+                       C: Tensor, gate: Tensor, cache, **kwargs) -> Tensor:
+    """transformers' ``mamba_scan_forward`` of the Mamba1 families (mamba, falcon_mamba,
+    jamba; 5.25), x, time_step and gate ``[b, D, T]``, B and C ``[b, T, N]``, as one
+    ``gated_linear_scan`` from the cached state.
+
+    The state ``[b, D, N]`` is the op's ``[b, H = D, Dk = N, Dv = 1]``: k = B and q = C, one
+    key head shared by every channel; v = dt x; a log decay dt A per (channel, state entry).
+    transformers' own multi-token branch starts from zeros even on a warm cache (its
+    ``TODO ... it is WRONG if the cache is not empty``); this one continues the cached state,
+    as its one-token branch does: the recurrence, at every S."""
+    state = cache.get_recurrent_state(module.layer_idx, state_idx=0) if cache is not None \
+        else None
+    A = -torch.exp(module.A_log.float())  # [D, N]
+    bias = module.dt_proj.bias
+    dt = time_step if bias is None else time_step + bias.to(time_step.dtype)[..., None]
+    dt = F.softplus(dt).float().transpose(1, 2)  # [b, T, D]
+    x = hidden_states.float().transpose(1, 2)
+    batch, _, channels = x.shape
+    start = (state.float() if state is not None
+             else x.new_zeros(batch, channels, A.shape[-1])).unsqueeze(-1)
+    out, final = LINEAR(C.float()[:, :, None], B.float()[:, :, None], (dt * x)[..., None],
+                        dt[..., None] * A, start, scale=1.0)
+    y = out[..., 0].transpose(1, 2) + hidden_states * module.D.float()[None, :, None]
+    y = y * F.silu(gate)
+    if cache is not None:
+        kept = state.dtype if state is not None else torch.float32
+        cache.update_recurrent_state(final[..., 0].to(kept), module.layer_idx)
+    return y

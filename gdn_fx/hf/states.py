@@ -105,7 +105,14 @@ def discover_specs(model: nn.Module) -> list[StateSpec]:
                 f"{type(model).__name__} in transformers {compat.VERSION} does not keep its "
                 f"states in DynamicCache's layers ({err}); DecodeStep cannot pass them") from None
     specs = []
-    for index, entries in enumerate(_entries_by_layer(cache)):
+    entries_by_layer = _entries_by_layer(cache)
+    if not any(kind in ("conv", "recurrent") for entries in entries_by_layer
+               for kind, _, _ in entries) and _has_mamba_mixers(model):
+        raise UnsupportedModel(
+            f"{type(model).__name__} in transformers {compat.VERSION} keeps its Mamba states "
+            "outside the DynamicCache it is given (its own cache class); DecodeStep cannot "
+            "pass them")
+    for index, entries in enumerate(entries_by_layer):
         for kind, slot, tensor in entries:
             shape = list(tensor.shape)
             if KINDS[kind][1] is not None:
@@ -113,6 +120,11 @@ def discover_specs(model: nn.Module) -> list[StateSpec]:
             multi = sum(k == kind for k, _, _ in entries) > 1
             specs.append(StateSpec(index, kind, slot, tuple(shape), tensor.dtype, multi))
     return specs
+
+
+def _has_mamba_mixers(model: nn.Module) -> bool:
+    """Whether ``model`` has Mamba mixers (transformers' ``A_log``): recurrent states."""
+    return any(isinstance(getattr(m, "A_log", None), Tensor) for m in model.modules())
 
 
 def model_device(model: nn.Module) -> torch.device:
