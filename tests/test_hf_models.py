@@ -108,7 +108,7 @@ def test_expected_fusions_count_linear_layers(name):
     step = DecodeStep(model(name))
     mixer = family(name).mixer
     scans = types.count("linear_attention") + types.count("hybrid")
-    linear = {"gated_linear_scan": scans} if mixer == "mamba2" else {}
+    linear = {"gated_linear_scan": scans} if mixer in ("mamba2", "mamba1") else {}
     assert step.expected_fusions == {
         "gated_delta_scan": scans if mixer in ("gdn", "kda") else 0, **linear,
         "causal_conv1d_update": sum(t in (*LINEAR_TYPES, "hybrid") for t in types)}

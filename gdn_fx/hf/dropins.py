@@ -162,9 +162,10 @@ def _conv_swaps(m: ModelingModule) -> list[tuple[Any, str, Any]]:
 
 
 def _require_ssm_functions(model: nn.Module, modules: list[ModelingModule]) -> None:
-    """Refuse a model with Mamba mixers (transformers' ``A_log``) whose modeling file has no
-    scan function to swap: its scan would stay a per-token loop or a padded SSD."""
-    swapped = {m.name for m in modules if m.ssm}
+    """Refuse a model with recurrent mixers (transformers' ``A_log``: Mamba's, or a delta
+    rule's) whose modeling file has no scan function to swap: its scan would stay a
+    per-token loop or a padded SSD."""
+    swapped = {m.name for m in modules if m.ssm or m.rule_kind is not None}
     for sub in model.modules():
         if isinstance(getattr(sub, "A_log", None), Tensor) and \
                 type(sub).__module__ not in swapped:
