@@ -52,6 +52,24 @@ SHAPES = {
                                 num_experts_per_tok=8, moe_intermediate_size=512,
                                 shared_expert_intermediate_size=512, num_hidden_layers=2,
                                 layer_types=[LIN, FULL], tie_word_embeddings=False)),
+    # Falcon-H1-0.5B's shape (tiiuae/Falcon-H1-0.5B config as published, recalled: not
+    # downloadable here): 36 layers, each attention (8 / 2 heads of 64) and Mamba2 (24 heads
+    # of 64, state 128, one group, chunk 128) in parallel, FFN 2048, vocab 32,784; 0.52 B.
+    "falcon_h1_0.5b": ("falcon_h1", dict(
+        initializer_range=0.02, vocab_size=32784, hidden_size=1024, intermediate_size=2048,
+        num_hidden_layers=36, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128,
+        mamba_n_groups=1, mamba_chunk_size=128, tie_word_embeddings=False)),
+    # A Granite-4.0-H-1B-like shape (recalled, not verified): 40 layers, attention (12 / 4
+    # heads of 128) in every tenth, Mamba2 (48 heads of 64, state 128, one group) in the
+    # others, a dense shared FFN of 4096, vocab 100,352, tied; 1.49 B.
+    "granite_h_1b": ("granitemoehybrid", dict(
+        initializer_range=0.02, vocab_size=100352, hidden_size=1536, num_hidden_layers=40,
+        num_attention_heads=12, num_key_value_heads=4,
+        layer_types=["attention" if i % 10 == 9 else "mamba" for i in range(40)],
+        mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1,
+        mamba_chunk_size=256, shared_intermediate_size=4096, num_local_experts=0,
+        num_experts_per_tok=0, tie_word_embeddings=True)),
 }
 # format -> (export_checkpoint's dtype=, weights=)
 FORMATS = {"f32": ("f32", "f32"), "f16": ("f16", "f32"), "f16w": ("f32", "f16"),

@@ -1,7 +1,7 @@
 """llama.cpp beside gdn-fx on the same checkpoint folder: prefill, decode, memory, bytes, load.
 
 llama.cpp is a benchmark PEER here, never a dependency of gdn-fx: this script downloads the
-llama.cpp sources that llama-cpp-python 0.3.36's sdist vendors (pip download, from PyPI), builds
+llama.cpp sources that llama-cpp-python 0.3.36's sdist vendors (from PyPI's index), builds
 llama-bench, llama-quantize and llama-tokenize (cmake, Release, CPU only) into ``--llama-dir``
 (default ~/.cache/gdn_fx_llama; skipped when the binaries are there), and compiles beside them
 a small greedy program of this script's own (GREEDY_CPP) against llama.cpp's C API.
@@ -66,7 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp is built
-SHAPES = {"quick": "quick", "0.8b": "0.8b"}  # bench_checkpoint.SHAPES names
+SHAPES = {"quick": "quick", "0.8b": "0.8b", "falcon_h1_0.5b": "falcon_h1_0.5b",
+          "granite_h_1b": "granite_h_1b"}  # bench_checkpoint.SHAPES names
 FORMATS = ("f32", "f16", "f16w", "q4_0")
 GGUF_FORMAT = {"f16w": "f16"}  # llama.cpp's file for a gdn-fx format (f16w: f16 weights)
 PROMPT = "The keeper of the north light"
@@ -128,8 +129,7 @@ def build_llama(root: Path, say=print) -> Llama:
     if not (src / "convert_hf_to_gguf.py").exists():
         sdist = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
         if not sdist.exists():
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                  f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], say)
+            _download_sdist(sdist, say)
         with tarfile.open(sdist) as archive:
             archive.extractall(root, filter="data")
     _run(["cmake", "-S", str(src), "-B", str(build), *cmake_flags()], say)
@@ -140,6 +140,21 @@ def build_llama(root: Path, say=print) -> Llama:
     say(f"[llama.cpp] built in {time.perf_counter() - start:.0f} s under {build}")
     _greedy(tools, build, say)
     return tools
+
+
+def _download_sdist(into: Path, say) -> None:
+    """The sdist file itself, from PyPI's simple index: ``pip download --no-binary :all:``
+    also builds every build dependency from source (cmake, ninja: many minutes)."""
+    import re
+    import urllib.request
+
+    index = "https://pypi.org/simple/llama-cpp-python/"
+    say(f"[llama.cpp] {into.name} from {index}")
+    page = urllib.request.urlopen(index).read().decode()
+    link = re.search(rf'href="([^"#]*{re.escape(into.name)})[#"]', page)
+    if link is None:
+        raise RuntimeError(f"{into.name} is not listed at {index}")
+    urllib.request.urlretrieve(link.group(1).replace("&amp;", "&"), into)
 
 
 def _run(argv: list, say, label: str = "") -> None:

@@ -294,3 +294,19 @@ def test_generating_needs_neither_torch_to_nnef_nor_nnef_tools(shared_export):
                               min_new_tokens=0, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(prompt):].tolist()
     assert json.loads(out.strip().splitlines()[-1]) == want
+
+
+@pytest.mark.parametrize("family", ["bamba", "lfm2"])
+def test_grouped_attention_without_a_gate_generates_with_q4_0_weights(tmp_path, family):
+    """o_proj's input as grouped_sdpa lays it out: tract 0.23.9 multiplies a Q4_0 weight
+    wrongly when the axes its input axis is merged from were permuted among themselves
+    (docs/facts/tract.md); these families have grouped key/value heads and no output gate
+    between the attention and o_proj (qwen3_5's gate hid it). Against transformers holding
+    the stored weights: every token and logit."""
+    from gdn_fx.hf.generator import with_stored_weights
+
+    model = tiny_model(family)
+    files = export_generator(model, tmp_path / "q.nnef.tgz", weights="q4_0")
+    result = Generator(files.main).generate(_prompt(17), 16)
+    found = check_generation(with_stored_weights(model, files.main), result)
+    assert found.ok, str(found)

@@ -78,9 +78,14 @@ def grouped_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
         mask = mask.unsqueeze(2).expand(mask.shape[0], 1, groups, seq, length)
     mask = mask.reshape(mask.shape[0], -1, groups * seq, length)
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
-    # [B, Hkv, G S, Dv] -> [B, S, Hkv, G, Dv] -> [B, S, Hq, Dv]. The first transpose and copy
-    # are transformers' own, and give the copy plain strides: a reshape of sdpa's output
-    # itself made torch.export guard on S (S * min(256, 1024 S) == 256 S) and refuse the
-    # named dimension.
-    rows_first = out.transpose(1, 2).contiguous().unflatten(1, (groups, seq))
-    return rows_first.permute(0, 2, 3, 1, 4).reshape(batch, seq, heads, value.shape[-1])
+    # [B, Hkv, G S, Dv] -> [B, Hkv, G, S, Dv] -> [B, S, Hkv, G, Dv] -> [B, S, Hq, Dv]. The
+    # transpose and copy are transformers' own, and give the copy plain strides: a reshape of
+    # sdpa's output itself made torch.export guard on S (S * min(256, 1024 S) == 256 S) and
+    # refuse the named dimension; the copy is transposed back (tract folds the pair). Only S
+    # moves: Hkv, G, Dv keep their order, the order o_proj's input axis merges them in. A
+    # permutation among them (G moved past Hkv, as [B, G, S, Hkv, Dv] -> [B, S, Hkv, G, Dv]
+    # did) is pushed by tract 0.23.9 into o_proj's weight, and with a Q4_0 weight tract then
+    # computes a wrong product (relative error ~1 on linear(permute(x).reshape(..), W_q4_0)).
+    plain = out.transpose(1, 2).contiguous().transpose(1, 2)
+    split = plain.unflatten(2, (groups, seq))
+    return split.permute(0, 3, 1, 2, 4).reshape(batch, seq, heads, value.shape[-1])
