@@ -384,3 +384,22 @@ def test_stored_reference_is_from_pretrained_holding_the_stored_weights(tied_den
     other = export_checkpoint(_checkpoint(tmp_path, "qwen3_next"), tmp_path / "o.nnef.tgz")
     with pytest.raises(CheckpointError, match=r"stores no values for model\.layers\.\d+\."):
         stored_reference(tied_dense, other.main)
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "granitemoehybrid"])
+@pytest.mark.parametrize("weights", ["q4_0", "f16"])
+def test_cli_streams_a_mamba_hybrid_checkpoint_and_checks_it(tmp_path, capsys, family,
+                                                            weights):
+    """A Falcon-H1 and a Granite-4.0-H checkpoint folder (bf16, their families' tiny shapes)
+    through ``export --model DIR``: streamed, one scan per Mamba layer, and every token of
+    the export's check equal to transformers holding the weights the file stores."""
+    from gdn_fx.cli import main
+
+    folder = tmp_path / f"{family}_ckpt"
+    tiny_model(family).to(torch.bfloat16).save_pretrained(folder)
+    out = tmp_path / "m.nnef.tgz"
+    assert main(["export", "--model", str(folder), "--out", str(out), "--weights",
+                 weights]) == 0
+    text = capsys.readouterr().out
+    assert "(streamed)" in text and "gated_linear_scan 2/2" in text
+    assert "vs transformers: every token equal" in text and text.rstrip().endswith("OK")
