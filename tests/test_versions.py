@@ -24,8 +24,8 @@ pytestmark = pytest.mark.versions
 SIX = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "bamba"}
 # the Mamba families every release of the range has, nemotron_h from 5.15 on
 MAMBA = {"mamba2", "granitemoehybrid", "falcon_h1", "zamba2", "mamba", "falcon_mamba", "jamba"}
-HAS = {"5.0.0": {"qwen3_next", "lfm2", "bamba"} | MAMBA, "5.10.4": SIX,
-       "5.15.0": SIX | MAMBA | {"nemotron_h"},
+HAS = {"5.0.0": {"qwen3_next", "lfm2", "lfm2_moe", "bamba"} | MAMBA, "5.10.4": SIX,
+       "5.15.0": SIX | MAMBA | {"nemotron_h", "lfm2_moe"},
        "5.24.0": set(FAMILIES), "5.25.0": set(FAMILIES)}
 VERSION = transformers.__version__
 # Releases whose helpers work end to end: LinearAttentionLayer slots, module-level kernels.
@@ -33,7 +33,7 @@ FULL = compat.LINEAR_LAYER is not None and hasattr(compat.LINEAR_LAYER(), "numbe
 # Before 5.5 each family has its own cache class: DecodeStep reads Qwen3-Next-style ones
 # (gdn_fx/hf/list_cache.py) and refuses lfm2's and bamba's.
 PER_MODEL = compat.LINEAR_LAYER is None
-OWN_CACHE_LAYOUT = {"lfm2", "bamba"} | MAMBA
+OWN_CACHE_LAYOUT = {"lfm2", "lfm2_moe", "bamba"} | MAMBA
 AVAILABLE = available_families()
 
 

@@ -111,6 +111,13 @@ _FAMILIES = [
     Family("lfm2", "Lfm2Config", "Lfm2ForCausalLM", dict(
         **_ATTN, intermediate_size=64, block_multiple_of=16, num_hidden_layers=3,
         layer_types=["conv", FULL, "conv"], conv_bias=True, conv_L_cache=3), "conv"),
+    Family("lfm2_moe", "Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        **_ATTN, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_dense_layers=1, num_hidden_layers=3,
+        layer_types=["conv", FULL, "conv"], conv_bias=True, conv_L_cache=3), "conv", moe=True),
+    Family("lfm3", "Lfm3Config", "Lfm3ForCausalLM", dict(
+        **_ATTN, intermediate_size=64, num_hidden_layers=3, layer_types=["conv", FULL, "conv"],
+        conv_bias=True, conv_L_cache=3), "conv"),
     Family("bamba", "BambaConfig", "BambaForCausalLM", dict(
         **_MAMBA_ATTN, num_hidden_layers=3, attn_layer_indices=[1], **_MAMBA2), "mamba2"),
     Family("mamba2", "Mamba2Config", "Mamba2ForCausalLM", dict(
