@@ -287,3 +287,30 @@ def test_stored_weights_untie_the_head_whatever_the_order_and_label(monkeypatch,
     assert torch.equal(twin.get_input_embeddings().weight, torch.from_numpy(table))
     assert torch.equal(twin.lm_head.weight, torch.from_numpy(own))
     assert torch.equal(model.lm_head.weight, embedding)  # the original untouched (a copy)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3, 4), (0, 1, 3, 2, 4), (0, 2, 1, 3, 4)])
+def test_q4_0_is_kept_off_a_product_of_permuted_merged_axes(tmp_path, order):
+    """linear(x.permute(order).reshape(B, S, 32), W): where the permutation reorders axes
+    that the product's input axis merges (the middle case), tract 0.23.9 computes a Q4_0
+    product wrongly (relative error ~1.3 measured), so W stays f32 and the file computes
+    right; where it reorders nothing merged (S moved: the last case) or nothing at all, W is
+    Q4_0."""
+    class Permuted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 32, bias=False)
+
+        def forward(self, x):
+            return self.lin(x.permute(*order).reshape(x.shape[0], -1, 32))
+
+    torch.manual_seed(0)
+    model, x = Permuted().eval(), torch.randn(1, 3, 2, 2, 8)
+    path = gdn_fx.export_nnef(torch.export.export(model, (x,)), tmp_path / "p.nnef.tgz",
+                              weights="q4_0")
+    merged_moved = order == (0, 1, 3, 2, 4)
+    assert ("q4_0: 0 converted" in tract_check.nnef_text(path)) == merged_moved
+    stored = torch.from_numpy(tract_check.stored_parameters(path)["lin.weight"].copy())
+    want = x.permute(*order).reshape(1, -1, 32) @ stored.T
+    got = torch.from_numpy(tract_check.run(path, [x])[0])
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()

@@ -231,15 +231,62 @@ def _weight_use(weight: fx.Node, user: fx.Node) -> Optional[str]:
     """Why ``user`` reading 2-D ``weight`` stops it from being Q4_0 (None: a product over
     the weight's last axis, or an embedding gather, which tract reads Q4_0 for too)."""
     if user.target is aten.linear.default and user.args[0] is not weight:
-        return None
+        return _permuted_merge(user.args[0])
     if user.target is aten.embedding.default and user.args[0] is weight and \
             weight not in user.args[1:]:
         return None  # tract gathers rows of a Q4_0 constant (torch-to-nnef: datum_type)
     if user.target in _TRANSPOSES and _is_reduction_transpose(user) and user.users and all(
             u.target in _PRODUCTS and u.args[1] is user and u.args[0] is not user
             for u in user.users):
-        return None
+        return next((why for why in map(_permuted_merge, (u.args[0] for u in user.users))
+                     if why), None)
     return f"read by {user.target}"
+
+
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _permuted_merge(x: fx.Node) -> Optional[str]:
+    """Why a product of ``x`` cannot take a Q4_0 weight: ``x``'s last axis merges axes that
+    a permutation just reordered among themselves. tract 0.23.9 pushes such a permutation
+    into the weight, and with a Q4_0 weight computes a wrong product (docs/facts/tract.md,
+    "A Q4_0 matmul after a permutation"). None when that is not what ``x`` is, or its shapes
+    are not known."""
+    merged = x
+    while isinstance(merged, fx.Node) and merged.target in _RESHAPES | {aten.clone.default}:
+        merged = merged.args[0]
+    if merged is x or not isinstance(merged, fx.Node) or merged.target not in _TRANSPOSES:
+        return None
+    order = _permutation(merged)
+    if order is None:
+        return None
+    try:
+        width, sizes = int(x.meta["val"].shape[-1]), [int(n) for n in merged.meta["val"].shape]
+    except (KeyError, AttributeError, TypeError, IndexError):  # symbolic or unknown sizes
+        return None
+    start, product = len(sizes), 1
+    while start > 0 and product < width:
+        start -= 1
+        product *= sizes[start]
+    moved = [axis for axis, size in zip(order[start:], sizes[start:]) if size > 1]
+    if product != width or moved == sorted(moved):
+        return None
+    return f"its product's input merges axes permuted by {merged.name} (tract 0.23.9)"
+
+
+def _permutation(node: fx.Node) -> Optional[list]:
+    """The axis order a permute / transpose / t node produces, or None."""
+    rank = len(node.meta["val"].shape) if "val" in node.meta else None
+    if rank is None:
+        return None
+    if node.target is aten.permute.default:
+        return [axis % rank for axis in node.args[1]]
+    order = list(range(rank))
+    if node.target is aten.t.default:
+        return order[::-1]
+    first, second = (axis % rank for axis in node.args[1:3])
+    order[first], order[second] = order[second], order[first]
+    return order
 
 
 def _why_not_q4_0(module: fx.GraphModule, node: fx.Node, param) -> Optional[str]:
