@@ -296,9 +296,18 @@ def gguf_file(tools: Llama, folder: Path, out: Path, fmt: str, pure: bool, say) 
     """``out`` in ``fmt`` (f32 / f16 converted; q4_0 quantized from the f32 GGUF beside it)."""
     start = time.perf_counter()
     if fmt in ("f32", "f16"):
+        # --no-mtp: Qwen3.5's multi-token-prediction head stays out (gdn-fx has none); the
+        # converter refuses the flag for architectures without one (FalconH1): then without
         options = [str(folder), "--outtype", fmt, "--no-mtp", "--outfile", str(out)]
-        _run([sys.executable, "-c", CONVERT, str(tools.src), *options], say,
-             label=f"convert_hf_to_gguf.py (CONVERT's wrapper) {' '.join(options)}")
+        try:
+            _run([sys.executable, "-c", CONVERT, str(tools.src), *options], say,
+                 label=f"convert_hf_to_gguf.py (CONVERT's wrapper) {' '.join(options)}")
+        except RuntimeError as error:
+            if "--mtp / --no-nextn are not supported" not in str(error):
+                raise
+            options.remove("--no-mtp")
+            _run([sys.executable, "-c", CONVERT, str(tools.src), *options], say,
+                 label=f"convert_hf_to_gguf.py (CONVERT's wrapper) {' '.join(options)}")
     else:
         f32 = out.with_name(out.name.split(f"-{fmt}")[0] + "-f32.gguf")
         if not f32.exists():

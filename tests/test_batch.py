@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
 
 LIN, FULL = "linear_attention", "full_attention"
 SMALL = dict(num_hidden_layers=2, layer_types=[LIN, FULL])  # two layers: the file stays fast
-FAMILIES = ("qwen3_5", "qwen3_next", "kimi_linear")  # GDN, GDN + MoE, KDA (MLA)
+# GDN, GDN + MoE, KDA (MLA), Mamba2, Mamba1 + MoE (the last two at their own tiny sizes)
+FAMILIES = ("qwen3_5", "qwen3_next", "kimi_linear", "bamba", "jamba")
+OWN_SIZE = ("bamba", "jamba")
 SLOTS = 3
 # More prompts than slots: the 4th to 6th join mid-way, into slots freed at other times;
 # lengths 1 and 100 included.
@@ -37,7 +39,7 @@ def _prompt(length: int, seed: int) -> list:
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def exported(request, tmp_path_factory):
-    model = tiny_model(request.param, **SMALL)
+    model = tiny_model(request.param, **({} if request.param in OWN_SIZE else SMALL))
     files = export_generator(model, tmp_path_factory.mktemp("batch") / "b.nnef.tgz",
                              batch=SLOTS)
     return request.param, model, files
