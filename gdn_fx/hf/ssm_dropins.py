@@ -1,11 +1,13 @@
 """Drop-ins for transformers' Mamba2 and Mamba1 scans, through ``gdn_fx::gated_linear_scan``.
 
-From transformers 5.25 the six Mamba2 families (mamba2, bamba, granitemoehybrid, nemotron_h,
+From transformers 5.15 the six Mamba2 families (mamba2, bamba, granitemoehybrid, nemotron_h,
 falcon_h1, zamba2) call the same two module-level functions of their modeling file: the
 chunked SSD ``mamba2_chunk_scan`` (any S, padded to whole chunks inside) and the one-token
 ``mamba2_selective_state_update`` (decode on a warm cache). :func:`gdn_fx.hf.reify` swaps
 both for these, which keep transformers' signatures and compute the same function as ONE
-scan op, so a reified model exports with a symbolic S and no padding guard.
+scan op, so a reified model exports with a symbolic S and no padding guard. From 5.25 the
+Mamba1 families (mamba, falcon_mamba, jamba) call ``mamba_scan_forward`` with their cache,
+which :func:`mamba_scan_forward` replaces.
 
 The SSD in the op's terms (docs/recognition.md, "gated linear recurrences"): per head h,
 ``S_t = exp(dt_t A_h) S_{t-1} + B_t (dt_t x_t)^T`` and ``y_t = S_t^T C_t``; so k = B, q = C
