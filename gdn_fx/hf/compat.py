@@ -84,6 +84,10 @@ def _table(layer: Any, kind: str) -> str:
     return "conv_states" if kind == "conv" else "recurrent_states"
 
 
+def _flag(kind: str) -> str:
+    return "is_conv_states_initialized" if kind == "conv" else "is_recurrent_states_initialized"
+
+
 def get_state(layer: Any, kind: str, slot: Optional[int]) -> Optional[Tensor]:
     """The conv (``kind="conv"``) or recurrent state in ``slot`` of a cache layer."""
     value = getattr(layer, _table(layer, kind))
@@ -94,7 +98,7 @@ def set_state(layer: Any, kind: str, slot: Optional[int], tensor: Tensor) -> Non
     """Install a conv or recurrent state the way the layer's lazy initialization would."""
     if getattr(layer, "device", None) is None:
         layer.device, layer.dtype = tensor.device, tensor.dtype
-    flag = "is_conv_states_initialized" if kind == "conv" else "is_recurrent_states_initialized"
+    flag = _flag(kind)
     if slot is None:
         setattr(layer, _table(layer, kind), tensor)
         setattr(layer, flag, True)
@@ -111,15 +115,22 @@ def set_state(layer: Any, kind: str, slot: Optional[int], tensor: Tensor) -> Non
 
 
 def forget_states(layer: Any) -> None:
-    """Make a linear-attention cache layer (5.15 and later) empty, as a fresh cache's is:
-    no previous state, no state tensors; the model's first update writes new ones."""
+    """Make a linear-attention cache layer empty, as a fresh cache's is: no previous state,
+    no state tensors; the model's first update writes new ones (the inverse of set_state)."""
     for slot in slots(layer):
         for kind in ("conv", "recurrent"):
-            getattr(layer, _table(layer, kind))[slot] = None
-            flag = ("is_conv_states_initialized" if kind == "conv"
-                    else "is_recurrent_states_initialized")
-            getattr(layer, flag)[slot] = False
-        layer.has_previous_state[slot] = False
+            _put(layer, _table(layer, kind), slot, None)
+            _put(layer, _flag(kind), slot, False)
+        _put(layer, "has_previous_state", slot, False)
+
+
+def _put(layer: Any, name: str, slot: Optional[int], value: Any) -> None:
+    """``layer.<name>[slot] = value``, or the attribute itself where the layer holds one
+    tensor per kind (slot None)."""
+    if slot is None:
+        setattr(layer, name, value)
+    else:
+        getattr(layer, name)[slot] = value
 
 
 def kernels_bound_per_layer(model: nn.Module) -> bool:

@@ -77,12 +77,12 @@ class DecodeStep(nn.Module):
         """``forward`` with ``model_kwargs`` passed on to the model (``position_ids``, an
         ``attention_mask``: the batched step, ``gdn_fx.hf.batch``)."""
         check_states(self.specs, states, input_ids.shape[0])
+        past = self._past(states)
         if "position_ids" not in model_kwargs and compat.numbers_from_zero(self.model):
-            model_kwargs["position_ids"] = self._positions(input_ids, states)
+            model_kwargs["position_ids"] = generate_positions(input_ids, past or 0)
         swaps = patching.recurrent_swaps(self.modeling) if self.rule == "recurrent" else []
         if compat.LINEAR_LAYER is None:  # before 5.5: the family's cache, one export blocker
             swaps = swaps + list_cache.mask_swaps(self.model)
-        past = self._past(states)
         with patching.Patches(swaps), ssm_dropins.past_length(past):
             cache = self._cache([s.clone() for s in states], past)
             try:
@@ -101,14 +101,6 @@ class DecodeStep(nn.Module):
         """P, the attention caches' length; None for a model without attention caches."""
         return next((t.shape[s.past_axis] for s, t in zip(self.specs, states)
                      if s.past_axis is not None), None)
-
-    def _positions(self, input_ids: Tensor, states: Sequence[Tensor]) -> Tensor:
-        """``P + arange(S)`` (P = 0 without attention caches): the positions transformers'
-        generate passes."""
-        past = self._past(states) or 0
-        count = input_ids.shape[1]
-        return (torch.arange(count, device=input_ids.device) + past).expand(
-            input_ids.shape[0], count)
 
     def _cache(self, states: list[Tensor], past=None):
         """The cache the model runs on, holding ``states`` (list_cache.py before 5.5).
@@ -215,6 +207,14 @@ class DecodeStep(nn.Module):
         return model_device(self.model)
 
 
+def generate_positions(input_ids: Tensor, past) -> Tensor:
+    """``past + arange(S)`` for every row of ``input_ids [B, S]``: the positions transformers'
+    generate passes after ``past`` cached tokens (an int, or a symbolic P)."""
+    count = input_ids.shape[1]
+    return (torch.arange(count, device=input_ids.device) + past).expand(input_ids.shape[0],
+                                                                         count)
+
+
 def _tokens(gen: torch.Generator, batch: int, length: int, device: torch.device) -> Tensor:
     low, high = SAFE_TOKEN_RANGE
     return torch.randint(low, high, (batch, length), generator=gen).to(device)
@@ -237,8 +237,7 @@ def hf_continue(model: nn.Module, prompt_ids: Tensor, input_ids: Tensor,
     cache = new_cache(model)  # the class transformers builds itself (its own before 5.5)
     after = {}
     if compat.numbers_from_zero(model):  # as generate gives them
-        past, count = prompt_ids.shape[1], input_ids.shape[1]
-        after = {"position_ids": torch.arange(past, past + count).expand(len(input_ids), -1)}
+        after = {"position_ids": generate_positions(input_ids, prompt_ids.shape[1])}
     with torch.no_grad():
         compat.run(model, cache, input_ids=prompt_ids)
         out = compat.run(model, cache, input_ids=input_ids, **after)

@@ -166,9 +166,8 @@ def _require_ssm_functions(model: nn.Module, modules: list[ModelingModule]) -> N
     rule's) whose modeling file has no scan function to swap: its scan would stay a
     per-token loop or a padded SSD."""
     swapped = {m.name for m in modules if m.ssm or m.rule_kind is not None}
-    for sub in model.modules():
-        if isinstance(getattr(sub, "A_log", None), Tensor) and \
-                type(sub).__module__ not in swapped:
+    for sub in ssm_dropins.recurrent_mixers(model):
+        if type(sub).__module__ not in swapped:
             raise UnsupportedModel(
                 f"{type(sub).__name__} in transformers {compat.VERSION} calls no module-level "
                 "scan that reify can swap (Mamba2's mamba2_chunk_scan from 5.15, Mamba1's "
@@ -205,7 +204,8 @@ class Reified:
 
 
 def reify(model: nn.Module, *, exact: bool = False, conv: bool = True) -> Reified:
-    """Swap ``model``'s delta rules and conv functions for gdn-fx op drop-ins (see module doc).
+    """Swap ``model``'s delta rules, Mamba scans and conv functions for gdn-fx op drop-ins
+    (see module doc).
 
     ``exact=True`` keeps q/k normalization and scaling outside the scan op, in transformers'
     own formulas, so the reified rules reproduce transformers' f32 recurrent rule bit for bit;

@@ -63,6 +63,12 @@ def past_length(length) -> Iterator[None]:
         PAST.length = None
 
 
+def recurrent_mixers(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` holding transformers' ``A_log`` (a Mamba mixer, or a delta
+    rule's layer): the ones that carry a recurrent state."""
+    return [m for m in model.modules() if isinstance(getattr(m, "A_log", None), Tensor)]
+
+
 def limits_dt(model: nn.Module) -> bool:
     """Whether some Mamba2 mixer of ``model`` limits dt in prefill (Zamba2's time_step_min),
     which its one-token step does not: then a first prompt of one token and a step on a warm

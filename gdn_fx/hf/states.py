@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicLayer
 
 from gdn_fx.errors import DTypeError, ShapeError, UnsupportedModel
 from gdn_fx.hf import compat, list_cache
+from gdn_fx.hf.ssm_dropins import recurrent_mixers
 
 # kind -> (input-name stem, past-length axis or None)
 KINDS = {
@@ -107,7 +108,7 @@ def discover_specs(model: nn.Module) -> list[StateSpec]:
     specs = []
     entries_by_layer = _entries_by_layer(cache)
     if not any(kind in ("conv", "recurrent") for entries in entries_by_layer
-               for kind, _, _ in entries) and _has_mamba_mixers(model):
+               for kind, _, _ in entries) and recurrent_mixers(model):
         raise UnsupportedModel(
             f"{type(model).__name__} in transformers {compat.VERSION} keeps its Mamba states "
             "outside the DynamicCache it is given (its own cache class); DecodeStep cannot "
@@ -120,11 +121,6 @@ def discover_specs(model: nn.Module) -> list[StateSpec]:
             multi = sum(k == kind for k, _, _ in entries) > 1
             specs.append(StateSpec(index, kind, slot, tuple(shape), tensor.dtype, multi))
     return specs
-
-
-def _has_mamba_mixers(model: nn.Module) -> bool:
-    """Whether ``model`` has Mamba mixers (transformers' ``A_log``): recurrent states."""
-    return any(isinstance(getattr(m, "A_log", None), Tensor) for m in model.modules())
 
 
 def model_device(model: nn.Module) -> torch.device:
