@@ -19,11 +19,13 @@ state is finite).
 
 "matmul_step" writes the step once: S = 1 with no symbolic axis in the export. "matmul" runs
 it in a ``tract_core_scan`` over the sequence with ``reset_every_turn = 1`` (a reused tract
-State restarts from its input state), TWO steps an iteration (``PER_STEP``): with one, tract
-0.23.9 pulls the readout out of the loop (its Scan declutter moves an output's last op out
-unless the output takes more than one position an iteration), stores the state of every step
-and packs them all for one big matmul: 1.85x slower at S = 64. An odd S is padded with one
-identity step (zero q, k, v and log gate: the state is kept exactly) and its output dropped.
+State restarts from its input state), one step an iteration, its readout written TWICE into an
+output of two positions an iteration (``COPIES``), every other position dropped after the loop.
+With one position, tract 0.23.9's Scan declutter pulls the readout out of the loop (it moves an
+output's last op out unless the output takes more than one position an iteration), stores the
+state of every step and packs them all for one big matmul: 1.85x slower at S = 64. Two steps
+an iteration blocked it too, but an odd S then ran one identity step more: a symbolic-S graph
+decoded in 1.33 ms against 0.77 with the copies (bench/bench_linear_scan.py's layer).
 Any S, symbolic too, every gate kind: the generic fallback. Arithmetic in f32 (f64 when q or
 the state is f64), as the op's kernel; bfloat16 is refused (no such dtype in tract).
 """
@@ -40,7 +42,7 @@ from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
 STEP_INPUTS = ("qrow", "kcol", "vrow", "decay")
-PER_STEP = 2  # steps one iteration of the loop takes (the module docstring says why not 1)
+COPIES = 2  # positions the readout output takes an iteration (the module docstring says why)
 PARAMS = ["q", "k", "v", "g", "s0", "scale", "zero4", "zero3"]
 
 
@@ -110,29 +112,26 @@ def step_lines(facts: LinearFacts) -> list[str]:
 
 
 def iteration_lines(suffix: str) -> list[str]:
-    """The loop body: PER_STEP steps one after the other, their outputs concatenated along
-    the sequence axis."""
-    lines, state, outs = [], "state", []
-    for i in range(PER_STEP):
-        args = ", ".join(f"squeeze(slice({name}_t, axes = [1], begin = [{i}], end = [{i + 1}]),"
-                         " axes = [1])" for name in STEP_INPUTS)
-        after = "new_state" if i == PER_STEP - 1 else f"mid{i}"
-        lines.append(f"({after}, y{i}) = gdn_fx_linear_step{suffix}({state}, {args});")
-        outs.append(f"unsqueeze(y{i}, axes = [1])")
-        state = after
-    return lines + [f"y_t = concat([{', '.join(outs)}], axis = 1);"]
+    """The loop body: one step, its readout written COPIES times along the sequence axis."""
+    args = ", ".join(f"squeeze({name}_t, axes = [1])" for name in STEP_INPUTS)
+    copies = ", ".join(["unsqueeze(y, axes = [1])"] * COPIES)
+    return [f"(new_state, y) = gdn_fx_linear_step{suffix}(state, {args});",
+            f"y_t = concat([{copies}], axis = 1);"]
 
 
 def loop_lines(suffix: str) -> list[str]:
     """The steps as a tract_core_scan over the sequence axis (axis 1) of the padded
-    operands, from ``st``: ``fin`` and ``ys`` [B, S, Hk, 1, G Dv], the padding dropped."""
-    scans = ", ".join(f'("{name}_t", {name}, 1, {PER_STEP})' for name in STEP_INPUTS)
+    operands, from ``st``: ``fin`` and ``ys`` [B, S, Hk, 1, G Dv] (the first copy of each
+    readout), the padding dropped."""
+    scans = ", ".join(f'("{name}_t", {name}, 1, 1)' for name in STEP_INPUTS)
     return [f'(fin, yp) = tract_core_scan(body = "gdn_fx_linear_scan_step{suffix}",',
             f"    scan = [{scans}],",
             '    full = [], state = [("state", st, "new_state")],',
-            f'    output = [("new_state", "last", 0, 1), ("y_t", "full", 1, {PER_STEP})],',
+            f'    output = [("new_state", "last", 0, 1), ("y_t", "full", 1, {COPIES})],',
             "    skip = 0, reset_every_turn = 1);",
-            "ys = slice(yp, axes = [1], begin = [0], end = [n]);"]
+            f"yc = reshape(yp, shape = [-1, {COPIES}], axis_start = 1, axis_count = 1);",
+            "ys = slice(squeeze(slice(yc, axes = [2], begin = [0], end = [1]), axes = [2]),"
+            " axes = [1], begin = [0], end = [n]);"]
 
 
 def out_line(facts: LinearFacts) -> str:
@@ -141,7 +140,6 @@ def out_line(facts: LinearFacts) -> str:
             " axis_count = 2);")
 
 
-EVEN = f"(n + {PER_STEP - 1}) / {PER_STEP} * {PER_STEP} - n"  # to whole iterations
 STEPS_PARAMS = ["q", "k", "v", "g", "st", "scale", "zero4", "zero3"]
 
 
@@ -150,7 +148,7 @@ def step_fragment(facts: LinearFacts, suffix: str) -> str:
                                 ["new_state", "y"], step_lines(facts))
 
 
-def steps_definitions(facts: LinearFacts, suffix: str, pad: str = EVEN) -> str:
+def steps_definitions(facts: LinearFacts, suffix: str, pad: str = "0") -> str:
     """The step, the loop body and ``gdn_fx_linear_steps``: the loop on raw operands padded
     by ``pad`` positions (an NNEF expression of their length ``n``), the state in and out
     in the loop layout."""

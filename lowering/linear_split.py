@@ -7,21 +7,21 @@ the chunk loop takes (64) and M = floor(S / W) * W:
 - tokens [M, S): the step loop of "matmul" (linear_matmul.py), from the state the chunks
   end with.
 
-At S = 1 that is zero chunks and one step (padded to one iteration of two), about the decode
+At S = 1 that is zero chunks and one step, about the decode
 cost of "matmul" (the chunked form pads one token to 64: 3-4x slower at Falcon-H1-0.5B's
 shape); at S = 512 eight iterations of chunks and no step. It is gdn_split.py's plan, and
 meets the same trap (tract 0.23.9: a ``tract_core_scan`` that runs ZERO iterations returns a
 scalar for its ``last`` state; docs/FACTS.md) with the same two guards: the chunk loop's
 state is read from its state after every iteration with the initial state in front (right
-at zero iterations), and where no token is left for the steps, one iteration of identity
-steps (zero q, k, v and log gate: the state kept exactly) is appended, its outputs dropped.
+at zero iterations), and where no token is left for the steps, one identity step (zero
+q, k, v and log gate: the state kept exactly) is appended, its output dropped.
 
 The state-independent chunk terms are computed before the chunk loop, for all chunks at
 once: at S < 64 they run on empty tensors (~40 small ops). It accepts what "chunked" accepts
 (one log decay per value head; f16/f32/f64 operands) and is the measured choice for a
 symbolic S on the CPU in a graph that serves decode (docs/lowering.md: at S = 1 it takes
-about half the time of "chunked"; from S = 64 on "chunked" is 1.3-1.7x faster, mostly the
-two identity steps where S is a multiple of 64 and the copies of the chunk loop's states).
+about half the time of "chunked"; from S = 64 on "chunked" is faster, mostly the
+identity step where S is a multiple of 64 and the copies of the chunk loop's states).
 A graph that never decodes (a main / decode pair's main graph) takes "chunked"; a static S
 "matmul_step", "chunked_unrolled" or "chunked".
 """
@@ -37,10 +37,9 @@ from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
 WHOLE = linear_chunked.SCAN_CHUNK * linear_chunked.PER_STEP  # tokens per chunk iteration
-STEP = linear_matmul.PER_STEP
-# the steps' pad (n = S - M here, 0..63): to whole iterations, plus one iteration of identity
-# steps where n = 0 ((n + 63) / 64 is 0 then, 1 otherwise)
-STEPS_PAD = f"{linear_matmul.EVEN} + {STEP} - {STEP} * ((n + {WHOLE - 1}) / {WHOLE})"
+# the steps' pad (n = S - M here, 0..63): one identity step where n = 0 ((n + 63) / 64 is 0
+# then, 1 otherwise), so that the step loop never runs zero iterations
+STEPS_PAD = f"1 - (n + {WHOLE - 1}) / {WHOLE}"
 OPERANDS = ("q", "k", "v", "g")
 
 
