@@ -108,7 +108,7 @@ def test_a_second_turn_on_the_warm_cache_is_what_transformers_computes(shared_ex
     and in transformers alike. (Against one prefill of the whole conversation Zamba2 differs
     in transformers itself: it limits dt in a prefill and not in a one-token step, so turn
     one's answer reads differently prefilled than decoded.)"""
-    from gdn_fx.hf.states import new_cache
+    from gdn_fx.hf.caches import new_cache
 
     model, files = shared_export(family)
     generator = Generator(files.main, files.decode)
@@ -129,7 +129,7 @@ def test_mamba1_continues_its_state_where_transformers_starts_from_zeros(shared_
     (``# TODO ... it is WRONG if the cache is not empty``, modeling_mamba.py): a second turn
     there is not the conversation. The artifact continues the cached state, so its second
     turn is what transformers computes for the whole conversation from an empty cache."""
-    from gdn_fx.hf.states import new_cache
+    from gdn_fx.hf.caches import new_cache
 
     model, files = shared_export("mamba")
     generator = Generator(files.main, files.decode)

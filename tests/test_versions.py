@@ -31,7 +31,7 @@ VERSION = transformers.__version__
 # Releases whose helpers work end to end: LinearAttentionLayer slots, module-level kernels.
 FULL = compat.LINEAR_LAYER is not None and hasattr(compat.LINEAR_LAYER(), "number_of_states")
 # Before 5.5 each family has its own cache class: DecodeStep reads Qwen3-Next-style ones
-# (gdn_fx/hf/list_cache.py) and refuses lfm2's and bamba's.
+# (gdn_fx/hf/caches/family_lists.py) and refuses lfm2's and bamba's.
 PER_MODEL = compat.LINEAR_LAYER is None
 OWN_CACHE_LAYOUT = {"lfm2", "lfm2_moe", "bamba"} | MAMBA
 AVAILABLE = available_families()

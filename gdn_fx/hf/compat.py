@@ -9,8 +9,9 @@ Three layouts (docs/FACTS.md, "transformers releases"; detected by feature, not 
   recurrent tensor, and each layer binds its kernels as instance attributes at construction
   (swapping module globals does nothing), so only transformers' own rules (``rule="auto"``) are available.
 - before 5.5: no ``LinearAttentionLayer``; each family keeps its own cache class.
-  ``DecodeStep`` fills Qwen3-Next-style ones (per-layer lists, ``list_cache.py``) and refuses
-  the others with the version named.
+  ``DecodeStep`` fills Qwen3-Next-style ones (per-layer lists, ``caches/family_lists.py``)
+  and refuses the others with the version named. Each layout's cache is read and written by
+  its adapter in ``gdn_fx.hf.caches``; this module only says what the release has.
 
 From 5.25 each linear-attention layer also counts the tokens it has seen
 (``cumulative_length_linear``, ``increase_count``) and ``Cache.get_seq_length()`` returns
@@ -66,71 +67,6 @@ def cache_kwarg(model: nn.Module) -> str:
 def run(model: nn.Module, cache: Any, **kwargs: Any) -> Any:
     """``model(..., <cache keyword>=cache, use_cache=True)`` for the installed release."""
     return model(**{cache_kwarg(model): cache}, use_cache=True, **kwargs)
-
-
-def is_linear(layer: Any) -> bool:
-    """Whether a cache layer holds linear-attention (conv / recurrent) states."""
-    return LINEAR_MIXIN is not None and isinstance(layer, LINEAR_MIXIN)
-
-
-def slots(layer: Any) -> list[Optional[int]]:
-    """The state slots of a linear-attention cache layer: ``range(number_of_states)``, or
-    ``[None]`` where the layer holds one tensor per kind (5.5-5.12)."""
-    count = getattr(layer, "number_of_states", None)
-    return [None] if count is None else list(range(count))
-
-
-def _table(layer: Any, kind: str) -> str:
-    return "conv_states" if kind == "conv" else "recurrent_states"
-
-
-def _flag(kind: str) -> str:
-    return "is_conv_states_initialized" if kind == "conv" else "is_recurrent_states_initialized"
-
-
-def get_state(layer: Any, kind: str, slot: Optional[int]) -> Optional[Tensor]:
-    """The conv (``kind="conv"``) or recurrent state in ``slot`` of a cache layer."""
-    value = getattr(layer, _table(layer, kind))
-    return value if slot is None else value[slot]
-
-
-def set_state(layer: Any, kind: str, slot: Optional[int], tensor: Tensor) -> None:
-    """Install a conv or recurrent state the way the layer's lazy initialization would."""
-    if getattr(layer, "device", None) is None:
-        layer.device, layer.dtype = tensor.device, tensor.dtype
-    flag = _flag(kind)
-    if slot is None:
-        setattr(layer, _table(layer, kind), tensor)
-        setattr(layer, flag, True)
-        if kind == "conv":
-            layer.conv_kernel_size, layer.max_batch_size = tensor.shape[-1], tensor.shape[0]
-        # Given states mean "continue from here": HF then takes its cached-decode branches.
-        layer.has_previous_state = True
-        return
-    getattr(layer, _table(layer, kind))[slot] = tensor
-    getattr(layer, flag)[slot] = True
-    if kind == "conv":
-        layer.conv_kernel_size[slot] = tensor.shape[-1]
-    layer.has_previous_state[slot] = True
-
-
-def forget_states(layer: Any) -> None:
-    """Make a linear-attention cache layer empty, as a fresh cache's is: no previous state,
-    no state tensors; the model's first update writes new ones (the inverse of set_state)."""
-    for slot in slots(layer):
-        for kind in ("conv", "recurrent"):
-            _put(layer, _table(layer, kind), slot, None)
-            _put(layer, _flag(kind), slot, False)
-        _put(layer, "has_previous_state", slot, False)
-
-
-def _put(layer: Any, name: str, slot: Optional[int], value: Any) -> None:
-    """``layer.<name>[slot] = value``, or the attribute itself where the layer holds one
-    tensor per kind (slot None)."""
-    if slot is None:
-        setattr(layer, name, value)
-    else:
-        getattr(layer, name)[slot] = value
 
 
 def kernels_bound_per_layer(model: nn.Module) -> bool:

@@ -1,8 +1,8 @@
 """An exportable step of a transformers hybrid causal LM, with its cache as explicit tensors.
 
 transformers' own export wrappers fail on linear-attention caches. :class:`DecodeStep` takes
-``(input_ids, *states)``, rebuilds a ``DynamicCache(config=...)`` (before transformers 5.5 the
-family's own cache class, ``list_cache.py``) from the states inside
+``(input_ids, *states)``, rebuilds the cache the model's forward fills (through the adapter of
+the installed release's cache layout, ``gdn_fx.hf.caches``) from the states inside
 ``forward``, runs the model, and returns ``(logits, *new_states)``: a pure function that
 ``torch.export`` traces strict or non-strict. Input states are never mutated (they are cloned
 into the cache, and the cache's tensors are returned).
@@ -17,17 +17,10 @@ from torch import Tensor, nn
 from torch.export import Dim
 
 from gdn_fx.errors import PatchError, UsageError
-from gdn_fx.hf import compat, list_cache, patching, ssm_dropins
+from gdn_fx.hf import compat, patching, ssm_dropins
+from gdn_fx.hf.caches import adapter, new_cache, read_cache
 from gdn_fx.hf.configs import SAFE_TOKEN_RANGE
-from gdn_fx.hf.states import (
-    StateSpec,
-    build_cache,
-    check_states,
-    discover_specs,
-    model_device,
-    new_cache,
-    read_cache,
-)
+from gdn_fx.hf.states import StateSpec, check_states, discover_specs, model_device
 
 RULES = ("auto", "recurrent")
 
@@ -52,12 +45,13 @@ class DecodeStep(nn.Module):
         self.model = model
         self.rule = rule
         self.last_logits = last_logits  # logits of the last position only (a generator's)
-        # sliding-window layers keep every token (states.WholeWindowLayer): a generator's, so
+        # sliding-window layers keep every token (caches.layers.WholeWindowLayer): a generator's, so
         # that one symbolic P serves every attention cache
         self.whole_windows = whole_windows
         self.specs: list[StateSpec] = discover_specs(model)
         self.modeling: list[patching.ModelingModule] = patching.modeling_modules(model)
         self.fresh_at_zero = ssm_dropins.limits_dt(model)  # see _cache
+        self.caches = adapter()
 
     @property
     def input_names(self) -> list[str]:
@@ -81,8 +75,7 @@ class DecodeStep(nn.Module):
         if "position_ids" not in model_kwargs and compat.numbers_from_zero(self.model):
             model_kwargs["position_ids"] = generate_positions(input_ids, past or 0)
         swaps = patching.recurrent_swaps(self.modeling) if self.rule == "recurrent" else []
-        if compat.LINEAR_LAYER is None:  # before 5.5: the family's cache, one export blocker
-            swaps = swaps + list_cache.mask_swaps(self.model)
+        swaps = swaps + self.caches.step_swaps(self.model)
         with patching.Patches(swaps), ssm_dropins.past_length(past):
             cache = self._cache([s.clone() for s in states], past)
             try:
@@ -95,7 +88,7 @@ class DecodeStep(nn.Module):
         if unconsumed:  # never return a conv state that was not written
             raise PatchError("a deferred conv-state update was not consumed: some "
                                "causal_conv1d_fn does not know gdn-fx's deferral")
-        return (logits, *read_cache(cache, self.specs))
+        return (logits, *self.caches.read(cache, self.specs))
 
     def _past(self, states: Sequence[Tensor]):
         """P, the attention caches' length; None for a model without attention caches."""
@@ -103,22 +96,16 @@ class DecodeStep(nn.Module):
                      if s.past_axis is not None), None)
 
     def _cache(self, states: list[Tensor], past=None):
-        """The cache the model runs on, holding ``states`` (list_cache.py before 5.5).
+        """The cache the model runs on, holding ``states``.
 
         A first prompt (P = 0, zero states) of a model whose first prompt and warm step
         differ (``ssm_dropins.limits_dt``) leaves the linear layers empty, as transformers'
         generate starts: its one-token branch is then the prefill's, not the warm step's."""
-        if compat.LINEAR_LAYER is None:
-            return list_cache.filled(self.model, self.specs, states)
+        forget = (self.fresh_at_zero and isinstance(past, int) and past == 0
+                  and not any(t.any() for t in states))
         linear_class = patching.DeferringLinearAttentionLayer if self._can_defer() else None
-        cache = build_cache(self.model.config, self.specs, states, linear_class=linear_class,
-                            whole_windows=self.whole_windows)
-        if self.fresh_at_zero and isinstance(past, int) and past == 0 \
-                and not any(t.any() for t in states):
-            for layer in cache.layers:
-                if compat.is_linear(layer):
-                    compat.forget_states(layer)
-        return cache
+        return self.caches.filled(self.model, self.specs, states, linear_class=linear_class,
+                                  whole_windows=self.whole_windows, forget_linear=forget)
 
     def dynamic_shapes(self, min_seq: int = 2, max_seq: Optional[int] = None) -> tuple:
         """``dynamic_shapes`` for ``torch.export.export(step, args, ...)``: a dynamic number

@@ -1,9 +1,10 @@
-"""The cache of a transformers hybrid model as a flat list of named tensors, and back.
+"""The cache of a transformers hybrid model as a flat list of named tensors.
 
-A :class:`StateSpec` names one tensor a ``DynamicCache`` holds: a linear-attention layer's conv
+A :class:`StateSpec` names one tensor a cache holds: a linear-attention layer's conv
 or recurrent state, an attention layer's keys or values, or a sparse-attention indexer's keys.
 Specs are discovered by running the model once on a short prompt and reading the cache it
-built, so they follow whatever each family stores (MLA caches, zero-width values, ...).
+built, so they follow whatever each family stores (MLA caches, zero-width values, ...). The
+cache itself is read and written by the adapter of its layout (``gdn_fx.hf.caches``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from gdn_fx.errors import DTypeError, ShapeError, UnsupportedModel
-from gdn_fx.hf import compat, list_cache
+from gdn_fx.hf import compat
+from gdn_fx.hf.caches import adapter
 from gdn_fx.hf.ssm_dropins import recurrent_mixers
 
 # kind -> (input-name stem, past-length axis or None)
@@ -64,39 +64,10 @@ class StateSpec:
         return tuple(shape)
 
 
-def _layer_entries(layer) -> list[tuple[str, int, Tensor]]:
-    """(kind, slot, tensor) for every tensor one cache layer holds."""
-    found = []
-    if compat.is_linear(layer):
-        for slot in compat.slots(layer):
-            for kind in ("conv", "recurrent"):
-                tensor = compat.get_state(layer, kind, slot)
-                if tensor is not None:
-                    found.append((kind, slot, tensor))
-    for kind, attr in (("key", "keys"), ("value", "values"), ("indexer_key", "indexer_keys")):
-        tensor = getattr(layer, attr, None)
-        if isinstance(tensor, Tensor):
-            found.append((kind, 0, tensor))
-    return found
-
-
-def new_cache(model: nn.Module):
-    """An empty cache of the kind ``model``'s forward fills: ``DynamicCache`` from
-    transformers 5.5, the family's own class before (``list_cache.py``)."""
-    if compat.LINEAR_LAYER is None:
-        return list_cache.new_cache(model)
-    return DynamicCache(config=model.config)
-
-
-def _entries_by_layer(cache) -> list[list[tuple[str, Optional[int], Tensor]]]:
-    if list_cache.is_list_cache(cache):
-        return [[(kind, None, t) for kind, t in layer] for layer in list_cache.entries(cache)]
-    return [_layer_entries(layer) for layer in cache.layers]
-
-
 def discover_specs(model: nn.Module) -> list[StateSpec]:
     """Run ``model`` once on a short prompt and describe every tensor its cache then holds."""
-    cache = new_cache(model)
+    caches = adapter()
+    cache = caches.new(model)
     ids = torch.full((1, PROBE_LEN), 3, dtype=torch.long, device=model_device(model))
     with torch.no_grad():
         try:
@@ -106,7 +77,7 @@ def discover_specs(model: nn.Module) -> list[StateSpec]:
                 f"{type(model).__name__} in transformers {compat.VERSION} does not keep its "
                 f"states in DynamicCache's layers ({err}); DecodeStep cannot pass them") from None
     specs = []
-    entries_by_layer = _entries_by_layer(cache)
+    entries_by_layer = caches.entries(cache)
     if not any(kind in ("conv", "recurrent") for entries in entries_by_layer
                for kind, _, _ in entries) and recurrent_mixers(model):
         raise UnsupportedModel(
@@ -140,98 +111,6 @@ def _check(spec: StateSpec, tensor: Tensor, batch: int) -> None:
                          f"{list(want)} (batch {batch}{what})")
     if tensor.dtype != spec.dtype:
         raise DTypeError(f"state '{spec.name}' has dtype {tensor.dtype}; expected {spec.dtype}")
-
-
-def _fill_attention(layer, spec: StateSpec, tensor: Tensor) -> None:
-    """Install keys, values or indexer keys the way DynamicLayer.update would leave them."""
-    if spec.kind == "indexer_key":
-        layer.indexer_keys = tensor
-        layer.indexer_dtype, layer.indexer_device = tensor.dtype, tensor.device
-        layer.is_indexer_initialized = True
-        return
-    setattr(layer, "keys" if spec.kind == "key" else "values", tensor)
-    layer.device = tensor.device
-    layer.is_initialized = True
-    sliding = compat.SLIDING_LAYER is not None and isinstance(layer, compat.SLIDING_LAYER)
-    if sliding and spec.kind == "key":
-        if tensor.shape[-2] >= layer.sliding_window - 1:
-            # The layer then keeps only its window: the absolute position is lost.
-            raise ShapeError(f"state '{spec.name}': {tensor.shape[-2]} cached tokens reach the "
-                             f"sliding window ({layer.sliding_window}) minus one; explicit "
-                             "states cannot carry positions beyond it")
-        layer.cumulative_length = tensor.shape[-2]
-        layer._sliding_window_tensor = layer._sliding_window_tensor.to(tensor.device)
-
-
-class WholeWindowLayer(DynamicLayer):
-    """A sliding-window attention cache layer that keeps every token.
-
-    transformers' sliding layer keeps the last ``window - 1`` tokens, so the size it returns
-    depends on whether the window is full (a branch on P that no symbolic P survives). This
-    one keeps them all and lets the sliding mask alone hide what lies outside the window:
-    the same attention, a cache that grows like a full-attention layer's.
-    """
-
-    is_sliding = True  # masking_utils sizes the sliding mask from the first sliding layer
-
-
-def build_cache(config, specs: Sequence[StateSpec], tensors: Sequence[Tensor],
-                linear_class: Optional[type] = None,
-                whole_windows: bool = False) -> DynamicCache:
-    """A fresh ``DynamicCache(config=...)`` holding ``tensors`` (used as given, not copied).
-
-    ``linear_class`` (a LinearAttentionLayer subclass) replaces the plain linear-attention
-    cache layers, e.g. to change how they update conv states. ``whole_windows`` replaces
-    the sliding-window layers by :class:`WholeWindowLayer`.
-    """
-    if len(tensors) != len(specs):
-        raise ShapeError(f"expected {len(specs)} state tensors "
-                         f"({', '.join(s.name for s in specs)}), got {len(tensors)}")
-    cache = DynamicCache(config=config)
-    linear_class = linear_class or compat.COUNTING_LINEAR
-    for index, layer in enumerate(cache.layers):
-        if linear_class is not None and type(layer) is compat.LINEAR_LAYER:
-            cache.layers[index] = linear_class(number_of_states=layer.number_of_states)
-        elif whole_windows and compat.SLIDING_LAYER is not None and isinstance(
-                layer, compat.SLIDING_LAYER):
-            cache.layers[index] = WholeWindowLayer()
-    for spec, tensor in zip(specs, tensors):
-        layer = cache.layers[spec.layer]
-        if spec.kind in ("conv", "recurrent"):
-            compat.set_state(layer, spec.kind, spec.slot, tensor)
-        else:
-            _fill_attention(layer, spec, tensor)
-    _carry_length(cache)
-    return cache
-
-
-def _carry_length(cache: DynamicCache) -> None:
-    """Give the linear layers the cached length (transformers 5.25 counts tokens in each and
-    ``get_seq_length()`` reads layer 0's): the first other layer's, the one 5.24's
-    ``get_seq_length()`` read. A cache of linear layers alone keeps transformers' count."""
-    if not compat.COUNTS_TOKENS:
-        return
-    others = [layer for layer in cache.layers if not isinstance(layer, compat.CountingLayer)]
-    if not others:
-        return
-    length = others[0].get_seq_length()
-    for layer in cache.layers:
-        compat.carry_length(layer, length)
-
-
-def read_cache(cache: DynamicCache, specs: Sequence[StateSpec]) -> list[Tensor]:
-    """The tensors ``cache`` holds now, in ``specs`` order."""
-    if list_cache.is_list_cache(cache):
-        return list_cache.read(cache, specs)
-    out = []
-    for spec in specs:
-        layer = cache.layers[spec.layer]
-        if spec.kind in ("conv", "recurrent"):
-            out.append(compat.get_state(layer, spec.kind, spec.slot))
-        else:
-            attr = {"key": "keys", "value": "values", "indexer_key": "indexer_keys"}[spec.kind]
-            out.append(getattr(layer, attr))
-    return out
 
 
 def check_states(specs: Sequence[StateSpec], tensors: Sequence[Tensor], batch: int) -> None:

@@ -1,13 +1,13 @@
-"""Explicit cache states on transformers before 5.5, where a hybrid family keeps its own cache.
+"""The cache adapter for transformers before 5.5, where a hybrid family keeps its own cache.
 
 Before ``LinearAttentionLayer`` (docs/FACTS.md, "transformers releases"), Qwen3-Next (and, from
 5.2 / 5.3, Qwen3.5 and OLMo-hybrid, copies of it) keep their cache in a class of their
 modeling file, ``<Family>DynamicCache(config)``: four lists indexed by layer, ``conv_states``
 and ``recurrent_states`` (None on attention layers), ``key_cache`` and ``value_cache`` (None on
 linear-attention layers), and ``has_previous_state`` true once the last linear layer holds a
-conv state. :class:`~gdn_fx.hf.DecodeStep` fills such a cache from its explicit tensors and
-reads it back; families with another cache class there (lfm2's ``Lfm2HybridConvCache``,
-bamba's preallocated ``HybridMambaAttentionDynamicCache``) are refused by name.
+conv state. This adapter fills such a cache from explicit tensors and reads it back;
+families with another cache class there (lfm2's ``Lfm2HybridConvCache``, bamba's
+preallocated ``HybridMambaAttentionDynamicCache``) are refused by name.
 
 One export blocker of those releases is routed around: ``_update_linear_attn_mask`` tests
 ``cache_position[0] > 0``, a branch on a tensor's value that torch.export cannot trace. With
@@ -59,14 +59,11 @@ def new_cache(model: nn.Module) -> Any:
         "transformers >= 5.5 for this family)")
 
 
-def is_list_cache(cache: Any) -> bool:
-    return all(isinstance(getattr(cache, table, None), list) for _, table in TABLES)
-
-
-def entries(cache: Any) -> list[list[tuple[str, Tensor]]]:
-    """Per layer, (kind, tensor) of every state the cache holds."""
+def entries(cache: Any) -> list[list[tuple[str, None, Tensor]]]:
+    """Per layer, (kind, None, tensor) of every state the cache holds (one per kind: no
+    slots)."""
     layers = len(cache.conv_states)
-    return [[(kind, getattr(cache, table)[i]) for kind, table in TABLES
+    return [[(kind, None, getattr(cache, table)[i]) for kind, table in TABLES
              if isinstance(getattr(cache, table)[i], Tensor)] for i in range(layers)]
 
 
@@ -74,17 +71,35 @@ def _table(kind: str) -> str:
     return dict(TABLES)[kind]
 
 
-def filled(model: nn.Module, specs: Sequence, tensors: Sequence[Tensor]) -> Any:
-    """A fresh cache holding ``tensors`` (used as given) where ``specs`` say."""
-    cache = new_cache(model)
-    for spec, tensor in zip(specs, tensors):
-        getattr(cache, _table(spec.kind))[spec.layer] = tensor
-    return cache
+class FamilyListsAdapter:
+    """A family's own ``<Family>DynamicCache`` of per-layer lists (gdn_fx.hf.caches)."""
+
+    def new(self, model: nn.Module) -> Any:
+        return new_cache(model)
+
+    def entries(self, cache: Any) -> list[list[tuple[str, None, Tensor]]]:
+        return entries(cache)
+
+    def filled(self, model: nn.Module, specs: Sequence, tensors: Sequence[Tensor], *,
+               linear_class: Optional[type] = None, whole_windows: bool = False,
+               forget_linear: bool = False) -> Any:
+        """A fresh cache holding ``tensors`` (used as given) where ``specs`` say. The
+        options of the layered adapter do not apply: these releases have no layer classes,
+        and no family they hold limits dt in its first prompt only."""
+        cache = new_cache(model)
+        for spec, tensor in zip(specs, tensors):
+            getattr(cache, _table(spec.kind))[spec.layer] = tensor
+        return cache
+
+    def read(self, cache: Any, specs: Sequence) -> list[Tensor]:
+        return [getattr(cache, _table(spec.kind))[spec.layer] for spec in specs]
+
+    def step_swaps(self, model: nn.Module) -> list:
+        """The export blocker of these releases, routed around (module docstring)."""
+        return mask_swaps(model)
 
 
-def read(cache: Any, specs: Sequence) -> list[Tensor]:
-    """The tensors ``cache`` holds now, in ``specs`` order."""
-    return [getattr(cache, _table(spec.kind))[spec.layer] for spec in specs]
+ADAPTER = FamilyListsAdapter()
 
 
 def mask_swaps(model: nn.Module) -> list[tuple[Any, str, Any]]:
