@@ -100,10 +100,14 @@ def build_model(job: Job) -> tuple[torch.nn.Module, str]:
 
 
 def require_fusions(model: torch.nn.Module, name: str) -> None:
-    """Refuse, before any export work, a model with nothing gdn-fx fuses (e.g. a Llama)."""
+    """Refuse, before any export work, a model with nothing gdn-fx fuses (e.g. a Llama), or
+    one whose sizes depend on values (a sparse-attention indexer: glm5_next, qwen4_exp),
+    which every route would trace for seconds to minutes before failing."""
     from gdn_fx.errors import UnsupportedModel
     from gdn_fx.hf import DecodeStep
+    from gdn_fx.hf.indexers import require_static_sizes
 
+    require_static_sizes(model, name)  # first: it runs nothing, DecodeStep probes the model
     if not any(DecodeStep(model).expected_fusions.values()):
         raise UnsupportedModel(f"nothing to fuse: {name} ({type(model).__name__}) has no "
                                "linear-attention or causal-conv layers")

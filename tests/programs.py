@@ -104,7 +104,11 @@ NO_TIME_AXIS = "with no time axis"
 KNOWN_DECODE_MISSES = {
     **{f: (NO_TIME_AXIS,) for f in FAMILIES if family(f).mixer == "mamba2"},
     **{f: (NO_TIME_AXIS, "a recurrence step reads one initial state") for f in FAMILIES
-       if family(f).mixer == "mamba1"}}
+       if family(f).mixer == "mamba1"},
+    # Zamba v1 updates each Mamba head by its own call, side by side: read as a loop over
+    # heads, whose steps chain no state (rightly no recurrence).
+    "zamba": (NO_TIME_AXIS, "a recurrence step reads one initial state",
+              "gathers nothing from the state of step", "takes nothing from earlier steps")}
 
 
 def decode_fusions(family_name: str, step) -> dict:

@@ -212,6 +212,35 @@ def test_checkpoint_with_a_missing_shard(tmp_path, capsys, no_work):
     assert shards[-1].name in line and "missing" in line
 
 
+def test_a_qwen4_exp_checkpoint_is_refused_in_one_line_before_tracing(tmp_path, capsys,
+                                                                     monkeypatch):
+    """qwen4_exp's QSA indexer selects key positions by value (torch.nonzero over the mask):
+    refused from the model's modules, not by torch.export's GuardOnDataDependentSymNode."""
+    import torch
+
+    from gdn_fx.hf import tiny_model
+
+    if not configs.family("qwen4_exp").available:
+        pytest.skip(f"transformers {transformers.__version__} has no qwen4_exp")
+    folder = tmp_path / "qwen4"
+    tiny_model("qwen4_exp").save_pretrained(folder)  # model_type qwen4_exp, text and vision
+    capsys.readouterr()  # save_pretrained's progress bar
+
+    def traced(*args, **kwargs):
+        raise AssertionError("the export traced the model before refusing it")
+
+    monkeypatch.setattr(torch.export, "export", traced)
+    out = tmp_path / "q.nnef.tgz"
+    status, lines, _ = status_and_lines(capsys, export("--model", str(folder), "--out",
+                                                       str(out)))
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("gdn-fx: ExportRefused: ")
+    for part in ("Qwen4ExpTextQSAIndexer", "layers.1.self_attn.indexer", "depend on values",
+                 f"transformers {transformers.__version__}"):
+        assert part in lines[0], lines[0]
+    assert not out.exists()
+
+
 def test_a_checkpoint_as_saved_passes_the_checks(checkpoint):
     from gdn_fx.cli_checks import check_model_dir
 

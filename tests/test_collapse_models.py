@@ -14,12 +14,12 @@ import torch
 import gdn_fx
 from gdn_fx import tract_check
 from gdn_fx.hf import DecodeStep, tiny_model
-from gdn_fx.hf.configs import FAMILIES, one_of_each
+from gdn_fx.hf.configs import families, one_of_each
 from programs import assert_close_outputs, count_calls, decode_fusions, run, unknown_misses
 
 pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
 
-DECODE = list(FAMILIES)  # every family's decode step collapses
+DECODE = families(steps=True)  # every family's decode step that DecodeStep runs collapses
 
 
 def collapsed(family, seq_len, form="training", rule="auto"):

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow  # whole-model exports (make test-fast skips them)
 
 # The GDN families' experts route by softmax top-k, the form one tract_moe_ffn takes; the MLA
 # families' (kimi_linear, bailing_hybrid: sigmoid scores plus a bias, groups) stay gathers.
-MOE_FAMILIES = [f for f in families(moe=True, mixer="gdn") if f in available_families()]
+MOE_FAMILIES = [f for f in families(moe=True, mixer="gdn", generates=True)
+                if f in available_families()]
 # Prompt lengths: S = 1 (the whole prompt one decode-sized call) and S = 37, more (token,
 # expert) rows than the tiny models have experts (top-2 of 4).
 PROMPTS = (1, 37)

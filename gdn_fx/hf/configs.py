@@ -42,11 +42,18 @@ class Family:
     mixer: str  # "gdn", "kda", "conv" (short conv only), "mamba2" (SSD) or "mamba1"
     # The capability flags: tests derive their family lists from them, so a new family is
     # tested for what it can do by saying it here (docs/contributing.md).
-    # export_generator writes it a generation-ready artifact (glm5_next's indexer has sizes
-    # that depend on values)
+    # export_generator writes it a generation-ready artifact (glm5_next's and qwen4_exp's
+    # indexers have sizes that depend on values: gdn_fx.hf.indexers)
     generates: bool = True
     moe: bool = False  # routed experts in some layers
     hybrid: bool = True  # attention layers too (mamba2 is Mamba2 layers only)
+    # DecodeStep runs it from given states (qwen4_exp: its indexer reads a position history
+    # that transformers keeps on the cache, outside the states, and torch.export cannot
+    # trace its nonzero)
+    steps: bool = True
+    # reify swaps every scan, so it exports with a symbolic S (zamba: its per-head
+    # mamba_selective_scan takes no cached state, dropins._require_ssm_functions)
+    dynamic: bool = True
 
     @property
     def kda(self) -> bool:
@@ -143,6 +150,13 @@ _FAMILIES = [
         expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
         use_mamba_kernels=False), "mamba1", moe=True),
+    # Zamba v1: two hybrid layers at least (transformers ties the shared attention block of
+    # the first to the others and finds nothing to tie with one).
+    Family("zamba", "ZambaConfig", "ZambaForCausalLM", dict(
+        **_MAMBA_ATTN, num_hidden_layers=4, attention_head_dim=8, n_mamba_heads=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]), "mamba1",
+           generates=False, dynamic=False),
     Family("zamba2", "Zamba2Config", "Zamba2ForCausalLM", dict(
         **_MAMBA_ATTN, mamba_d_state=8, mamba_headdim=16, mamba_ngroups=2, chunk_size=16,
         mamba_expand=2, mamba_d_conv=4, n_mamba_heads=4, num_hidden_layers=3,
@@ -169,7 +183,31 @@ def _glm5_next_config(**overrides: Any):
 _GLM5 = Family("glm5_next", "Glm5NextConfig", "Glm5NextForConditionalGeneration", {}, "kda",
                generates=False, moe=True)
 
-FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [*_FAMILIES, _GLM5]}
+
+def _qwen4_exp_config(**overrides: Any):
+    """Qwen4-Exp is a vision-language model too: GDN layers with a per-layer n-gram embedding
+    (PLE: hashed token n-grams, an int64 state of the last tokens), an indexed attention layer
+    (a QSA indexer), MoE everywhere, hyper-connections; one vision block."""
+    text = dict(**TOKENS, **_ATTN, **_gdn(2, 4, 8, 8), **_MOE, num_hidden_layers=3,
+                layer_types=[LIN, "indexed_attention", LIN], hc_count=2, hc_lowrank=8,
+                ple_layer_ids=[1], ple_embed_dim=16, heads_per_ngram=2,
+                ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8,
+                indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+                indexer_compress_ratio=2)
+    text.update(overrides)
+    vision = dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=32, intermediate_size=32,
+                  patch_size=2, num_position_embeddings=16)
+    media = dict(image_token_id=58, video_token_id=59, vision_start_token_id=60,
+                 vision_end_token_id=61)
+    return getattr(tf, _QWEN4.config_class)(text_config=text, vision_config=vision, **media)
+
+
+_QWEN4 = Family("qwen4_exp", "Qwen4ExpConfig", "Qwen4ExpForConditionalGeneration", {}, "gdn",
+                generates=False, moe=True, steps=False, dynamic=False)
+# Families whose config is built by a function (a text and a vision config), by name.
+_BUILDERS = {"glm5_next": _glm5_next_config, "qwen4_exp": _qwen4_exp_config}
+
+FAMILY_SPECS: dict[str, Family] = {f.name: f for f in [*_FAMILIES, _GLM5, _QWEN4]}
 FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
 GENERATING: tuple[str, ...] = tuple(f for f in FAMILIES if FAMILY_SPECS[f].generates)
 
@@ -212,8 +250,8 @@ def family_classes(name: str) -> tuple[Any, Any]:
 def tiny_config(name: str, **overrides: Any):
     """A tiny transformers config of family ``name``; ``overrides`` replace config fields."""
     config_class, _ = family_classes(name)
-    if name == "glm5_next":
-        return _glm5_next_config(**overrides)
+    if name in _BUILDERS:
+        return _BUILDERS[name](**overrides)
     return config_class(**{**TOKENS, **family(name).fields, **overrides})
 
 

@@ -16,6 +16,7 @@ handle, or use it as a context manager.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -171,7 +172,18 @@ def _require_ssm_functions(model: nn.Module, modules: list[ModelingModule]) -> N
             raise UnsupportedModel(
                 f"{type(sub).__name__} in transformers {compat.VERSION} calls no module-level "
                 "scan that reify can swap (Mamba2's mamba2_chunk_scan from 5.15, Mamba1's "
-                "mamba_scan_forward from 5.25): its scan cannot follow a symbolic S")
+                "mamba_scan_forward from 5.25): its scan cannot follow a symbolic S"
+                + _stateless_scan(type(sub).__module__))
+
+
+def _stateless_scan(module_name: str) -> str:
+    """Why a Mamba1 file's own ``mamba_selective_scan`` is no such scan (Zamba v1 calls it per
+    head, from the mixer's forward): a drop-in of it would not know the state to continue."""
+    if not callable(getattr(sys.modules.get(module_name), ssm_dropins.STATELESS_SCAN, None)):
+        return ""
+    return (f"; its {ssm_dropins.STATELESS_SCAN} is handed no cached state (several tokens "
+            "start from zeros, one token goes to mamba_selective_state_update), so a drop-in "
+            "of it could not continue a cache")
 
 
 def _copy(fn: Callable) -> Callable:

@@ -51,6 +51,7 @@ from gdn_fx.errors import UnsupportedModel, UsageError
 from gdn_fx.hf.attention import grouped_attention
 from gdn_fx.hf.decode import DecodeStep
 from gdn_fx.hf.dropins import reify
+from gdn_fx.hf.indexers import require_static_sizes
 from gdn_fx.hf.nnef import (DECODE, FINGERPRINT, VOCAB, GeneratorFiles,  # noqa: F401
                             declare_bound, fingerprint, fused_counts, generator_options, place,
                             place_graphs, prepare_for_nnef, stamp_properties, staging,
@@ -140,8 +141,9 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
     "q4_0") is how both graphs store the weights, as in ``gdn_fx.export_nnef``; with
     compressed weights the decode graph is kept when it computes what the main graph computes
     (both in tract), since neither matches the f32 model to 1e-4. Raises UnsupportedModel
-    when a layer is not reified, ExportRefused (from export_nnef) for what cannot follow S
-    and P, UsageError for an unknown ``weights``.
+    when a layer is not reified, ExportRefused for what cannot follow S and P (before any
+    tracing for a sparse-attention indexer, gdn_fx.hf.indexers; else from export_nnef),
+    UsageError for an unknown ``weights``.
 
     Both graphs are written and checked in a hidden folder beside ``path`` and moved into
     place at the end (:func:`place_graphs`), so an error leaves nothing at ``path``; each
@@ -149,6 +151,7 @@ def export_generator(model: nn.Module, path: Union[str, Path], *, decode: bool =
     which :class:`Generator` compares before it runs a pair.
     """
     options = generator_options(options, fields)
+    require_static_sizes(model)  # an indexer: refused now, not after the trace
     if batch is not None:
         from gdn_fx.hf.batch import export_batched
 

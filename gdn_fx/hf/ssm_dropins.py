@@ -33,6 +33,8 @@ LINEAR = torch.ops.gdn_fx.gated_linear_scan
 MAMBA2_NAMES = ("mamba2_chunk_scan", "mamba2_selective_state_update")
 # the function a Mamba1 mixer calls with its cache (transformers 5.25)
 MAMBA1_NAME = "mamba_scan_forward"
+# the per-call scan it wraps, which Zamba v1's mixer calls per head without the cached state
+STATELESS_SCAN = "mamba_selective_scan"
 
 
 def _time_step(dt: Tensor, dt_bias: Optional[Tensor], dt_softplus: bool) -> Tensor:
