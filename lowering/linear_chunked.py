@@ -16,12 +16,13 @@ clamped at -1024 and split into its integer ceiling and the rest, every decay be
 positions taken part by part, so a reset gate (-inf, -1e4) neither rounds the small gates after
 it away nor makes a NaN (docs/FACTS.md, "Reset gates").
 
-Layout: M = B * Hk. The state runs as [M, Dk, G Dv] (the G value heads of a key head side by
-side in its columns; the same memory as linear_matmul's step layout [B, Hk, Dk, G, Dv], so
-"split" hands it from one loop to the other by reshapes): q S and k^T (r v) are then one
-[C, Dk] x [Dk, G Dv] matmul per key head and chunk, not G small ones (Mamba2: Hk = 1,
-G = 24). The intra-chunk product needs one [C, C] matrix per value head ([n, M, G, C, C]);
-q k^T is one per key head, met by broadcasting.
+Layout: M = B * Hk. The state runs as [M, G Dv, Dk] (the G value heads of a key head one
+under the other, value-first; the same memory as linear_matmul's step layout
+[B, Hk, G, Dv, Dk], so "split" hands it from one loop to the other by reshapes): q S^T and
+(r v)^T k are then one [C, Dk] x [Dk, G Dv] and one [G Dv, C] x [C, Dk] matmul per key head
+and chunk, not G small ones (Mamba2: Hk = 1, G = 24). The intra-chunk product needs one
+[C, C] matrix per value head ([n, M, G, C, C]); q k^T is one per key head, met by
+broadcasting.
 
 - "chunked": the loop is a ``tract_core_scan`` over chunks of ``SCAN_CHUNK``, ``PER_STEP``
   an iteration (``reset_every_turn = 1``); the sequence is zero-padded to whole iterations
@@ -104,25 +105,24 @@ def prepare_lines(facts: LinearFacts, chunk: int, pad: str) -> list[str]:
 def chunk_terms_lines(chunk: int) -> list[str]:
     """Every state-independent term, for all chunks at once: the gate terms, the intra-chunk
     output ``intra`` [n, M, C, G, Dv], the row decays ``ec`` [n, M, C, G, 1], the chunk decay
-    ``acs`` [n, M, 1, G Dv] (``ones``: one per value column) and each chunk's own
-    contribution ``dd`` [n, M, Dk, G Dv]."""
+    ``acs`` [n, M, G Dv, 1] (``ones``: one per value row) and each chunk's own
+    contribution ``dd`` [n, M, G Dv, Dk]."""
     swap = "axes = [0, 1, 3, 2, 4]"  # [.., G, C, x] <-> [.., C, G, x]
     return text.gate_lines(chunk, RANK) + [
         f"e = {text.pair_decay('c', 'r', 'neg')};",
         "qkt = unsqueeze(matmul(qq, kk, transposeB = true), axes = [2]);",
         f"intra = transpose(matmul(mul(qkt, e), vh), {swap});",
         f"ec = transpose(egc, {swap});",
-        f"acs = reshape(mul(transpose(ac, {swap}), ones), shape = [-1], axis_start = 3,"
-        " axis_count = 2);",
+        "acs = reshape(mul(ac, ones), shape = [-1], axis_start = 2, axis_count = 2);",
         f"rv = reshape(mul(vm, transpose(r, {swap})), shape = [-1], axis_start = 3,"
         " axis_count = 2);",
-        "dd = matmul(kk, rv, transposeA = true);"]
+        "dd = matmul(rv, kk, transposeA = true);"]
 
 
 def pass_lines() -> list[str]:
-    """One chunk of the state pass: q S from the state entering it (y [M, C, G Dv]) and the
+    """One chunk of the state pass: q S^T from the state entering it (y [M, C, G Dv]) and the
     state leaving it (the decay and the chunk's own contribution added)."""
-    return ["y = matmul(q, state);",
+    return ["y = matmul(q, state, transposeB = true);",
             "new_state = add(mul(state, ac), d);"]
 
 
@@ -195,16 +195,16 @@ def finish_lines(facts: LinearFacts) -> list[str]:
 
 
 def flat_line(name: str, source: str) -> str:
-    """NNEF: a state in the step loop's layout [B, Hk, Dk, G, Dv] (linear_matmul) as the
-    chunk pass's [M, Dk, G Dv]: the same memory, merged axes."""
+    """NNEF: a state in the step loop's layout [B, Hk, G, Dv, Dk] (linear_matmul) as the
+    chunk pass's [M, G Dv, Dk]: the same memory, merged axes."""
     return (f"{name} = reshape(reshape({source}, shape = [-1], axis_start = 0, axis_count = 2),"
-            " shape = [-1], axis_start = 2, axis_count = 2);")
+            " shape = [-1], axis_start = 1, axis_count = 2);")
 
 
 def unflat_line(facts: LinearFacts, name: str, source: str) -> str:
-    """NNEF: the chunk pass's state [M, Dk, G Dv] back in the step loop's layout."""
+    """NNEF: the chunk pass's state [M, G Dv, Dk] back in the step loop's layout."""
     return (f"{name} = reshape(reshape({source}, shape = [{facts.groups}, {facts.dv}],"
-            f" axis_start = 2, axis_count = 1), shape = [-1, {facts.key_heads}],"
+            f" axis_start = 1, axis_count = 1), shape = [-1, {facts.key_heads}],"
             " axis_start = 0, axis_count = 1);")
 
 
@@ -250,7 +250,7 @@ def definitions(facts: LinearFacts, chunk: int, unrolled_chunks: int, suffix: st
 def constant_tensors(ctx: EmitContext, chunk: int, work: str) -> list:
     """The constants the chunk text reads (``CONSTANTS``), as NNEF variables."""
     values = {**gdn_chunked.constants(chunk, gdn_chunked.LEAF, RANK),
-              "ones": np.ones((1, 1, 1, 1, ctx.facts.dv))}  # e^gamma_C for every value column
+              "ones": np.ones((1, 1, 1, ctx.facts.dv, 1))}  # e^gamma_C for every value row
     return [common.scale_variable(ctx, work) if name == "scale" else
             common.variable(ctx, name, values[name], work) for name in CONSTANTS]
 

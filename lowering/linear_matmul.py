@@ -4,18 +4,19 @@ With a = exp(g_t) (one per value head, or one per key channel) one step is
 
     S' = a S + k v^T          y = scale q^T S'
 
-The state runs key-first with the G value heads of a key head side by side in its columns,
-[B, Hk, Dk, G, Dv] (the contract's [B, Hv, Dk, Dv] is moved once, in and out): the write
-k v^T is then ONE matmul of a column by a row (K = 1) per key head, [Dk, 1] x [1, G Dv], and
-the readout one [1, Dk] x [Dk, G Dv] matmul of the new state. Written as a broadcasting
-``mul``, tract 0.23.9 runs the outer product as its generic broadcasting Mul, 3x slower than
-the matmul (docs/FACTS.md, "tract 0.23.9: traps"); in the contract layout with G = 24 heads
-on one key head (Mamba2) tract computed the K = 1 matmul as [Dk, G Dv] and moved it back,
-and packed the state for 24 one-row readouts (a step 0.69 ms in tract's profile against
-0.62 now; docs/lowering.md, "gated_linear_scan"). The decayed state is added to the update,
-not the other way round (tract fuses an add into a matmul's result as a slow AddUnicast).
-A reset gate (-inf, -1e4) makes a = 0: the decayed state is exactly 0 (never NaN while the
-state is finite).
+The state runs VALUE-first with the G value heads of a key head one under the other,
+[B, Hk, G, Dv, Dk] (the contract's [B, Hv, Dk, Dv] is moved once, in and out): the write
+v k^T is then ONE matmul of a column by a row (K = 1) per key head, [G Dv, 1] x [1, Dk], and
+the readout one [G Dv, Dk] x [Dk, 1] matmul of the new state. Value-first because
+transformers keeps a Mamba2 state so ([B, H, P, N]): the drop-in's transpose into the
+contract and the move into this layout cancel in tract, where a loop's state cannot have its
+moves folded into the products (the Falcon-H1-0.5B one graph lost ~0.55 ms a layer a token to
+four copies of the state with the key-first layout [B, Hk, Dk, G, Dv]; docs/lowering.md,
+"gated_linear_scan"). Written as a broadcasting ``mul``, tract 0.23.9 runs the outer product
+as its generic broadcasting Mul, 3x slower than the matmul (docs/FACTS.md, "tract 0.23.9:
+traps"). The decayed state is added to the update, not the other way round (tract fuses an
+add into a matmul's result as a slow AddUnicast). A reset gate (-inf, -1e4) makes a = 0: the
+decayed state is exactly 0 (never NaN while the state is finite).
 
 "matmul_step" writes the step once: S = 1 with no symbolic axis in the export. "matmul" runs
 it in a ``tract_core_scan`` over the sequence with ``reset_every_turn = 1`` (a reused tract
@@ -41,7 +42,7 @@ from gdn_fx.lowering.node_facts import LINEAR_OPERANDS, LinearFacts, portable_dt
 from gdn_fx.lowering.nnef_emit import EmitContext
 from gdn_fx.lowering.target import Target
 
-STEP_INPUTS = ("qrow", "kcol", "vrow", "decay")
+STEP_INPUTS = ("qcol", "krow", "vcol", "decay")
 COPIES = 2  # positions the readout output takes an iteration (the module docstring says why)
 PARAMS = ["q", "k", "v", "g", "s0", "scale", "zero4", "zero3"]
 
@@ -62,15 +63,15 @@ def check_step(facts: LinearFacts, target: Target) -> Optional[str]:
 
 
 def state_in_line(facts: LinearFacts, name: str, source: str) -> str:
-    """NNEF: the contract's state [B, Hv, Dk, Dv] in the loop layout [B, Hk, Dk, G, Dv]."""
-    return (f"{name} = transpose(reshape({source}, shape = [{facts.key_heads}, {facts.groups}],"
-            " axis_start = 1, axis_count = 1), axes = [0, 1, 3, 2, 4]);")
+    """NNEF: the contract's state [B, Hv, Dk, Dv] in the loop layout [B, Hk, G, Dv, Dk]."""
+    return (f"{name} = reshape(transpose({source}, axes = [0, 1, 3, 2]),"
+            f" shape = [{facts.key_heads}, {facts.groups}], axis_start = 1, axis_count = 1);")
 
 
 def state_out_line(name: str, source: str) -> str:
     """NNEF: a state in the loop layout back in the contract's [B, Hv, Dk, Dv]."""
-    return (f"{name} = reshape(transpose({source}, axes = [0, 1, 3, 2, 4]), shape = [-1],"
-            " axis_start = 1, axis_count = 2);")
+    return (f"{name} = transpose(reshape({source}, shape = [-1], axis_start = 1,"
+            " axis_count = 2), axes = [0, 1, 3, 2]);")
 
 
 def pad_lines(facts: LinearFacts, pad: str) -> list[str]:
@@ -87,28 +88,26 @@ def pad_lines(facts: LinearFacts, pad: str) -> list[str]:
 
 def prologue_lines(facts: LinearFacts, q: str, k: str, v: str, g: str) -> list[str]:
     """Everything that does not read the state, for all steps at once, per key head: q as a
-    row [B, S, Hk, 1, Dk] (times the scale), k as a column [B, S, Hk, Dk, 1], the values of
-    its G heads as one row [B, S, Hk, 1, G Dv], the decay [B, S, Hk, 1 or Dk, G, 1]."""
+    column [B, S, Hk, Dk, 1] (times the scale), k as a row [B, S, Hk, 1, Dk], the values of
+    its G heads as one column [B, S, Hk, G Dv, 1], the decay [B, S, Hk, G, 1, 1 or Dk]."""
     hk, groups = facts.key_heads, facts.groups
-    decay = ("unsqueeze(transpose(a, axes = [0, 1, 2, 4, 3]), axes = [5])" if facts.per_key
-             else "unsqueeze(a, axes = [3, 5])")
-    return [f"qrow = unsqueeze(mul({q}, scale), axes = [3]);",
-            f"kcol = unsqueeze({k}, axes = [4]);",
-            f"vrow = unsqueeze(reshape({v}, shape = [{hk}, -1], axis_start = 2,"
-            " axis_count = 2), axes = [3]);",
+    return [f"qcol = unsqueeze(mul({q}, scale), axes = [4]);",
+            f"krow = unsqueeze({k}, axes = [3]);",
+            f"vcol = unsqueeze(reshape({v}, shape = [{hk}, -1], axis_start = 2,"
+            " axis_count = 2), axes = [4]);",
             f"a = exp(reshape({g}, shape = [{hk}, {groups}], axis_start = 2, axis_count = 1));",
-            f"decay = {decay};"]
+            f"decay = unsqueeze(a, axes = {'[4]' if facts.per_key else '[4, 5]'});"]
 
 
 def step_lines(facts: LinearFacts) -> list[str]:
-    """One step on per-step tensors (no sequence axis): state [B, Hk, Dk, G, Dv], qrow
-    [B, Hk, 1, Dk], kcol [B, Hk, Dk, 1], vrow [B, Hk, 1, G Dv], decay [B, Hk, 1 or Dk, G, 1]
-    -> the new state and y [B, Hk, 1, G Dv], read from the new state."""
-    return [f"update = reshape(matmul(kcol, vrow), shape = [{facts.groups}, {facts.dv}],"
-            " axis_start = 3, axis_count = 1);",
+    """One step on per-step tensors (no sequence axis): state [B, Hk, G, Dv, Dk], qcol
+    [B, Hk, Dk, 1], krow [B, Hk, 1, Dk], vcol [B, Hk, G Dv, 1], decay [B, Hk, G, 1, 1 or Dk]
+    -> the new state and y [B, Hk, G Dv, 1], read from the new state."""
+    return [f"update = reshape(matmul(vcol, krow), shape = [{facts.groups}, {facts.dv}],"
+            " axis_start = 2, axis_count = 1);",
             "new_state = add(mul(state, decay), update);",
-            "y = matmul(qrow, reshape(new_state, shape = [-1], axis_start = 3,"
-            " axis_count = 2));"]
+            "y = matmul(reshape(new_state, shape = [-1], axis_start = 2, axis_count = 2),"
+            " qcol);"]
 
 
 def iteration_lines(suffix: str) -> list[str]:
@@ -121,7 +120,7 @@ def iteration_lines(suffix: str) -> list[str]:
 
 def loop_lines(suffix: str) -> list[str]:
     """The steps as a tract_core_scan over the sequence axis (axis 1) of the padded
-    operands, from ``st``: ``fin`` and ``ys`` [B, S, Hk, 1, G Dv] (the first copy of each
+    operands, from ``st``: ``fin`` and ``ys`` [B, S, Hk, G Dv, 1] (the first copy of each
     readout), the padding dropped."""
     scans = ", ".join(f'("{name}_t", {name}, 1, 1)' for name in STEP_INPUTS)
     return [f'(fin, yp) = tract_core_scan(body = "gdn_fx_linear_scan_step{suffix}",',
@@ -135,8 +134,8 @@ def loop_lines(suffix: str) -> list[str]:
 
 
 def out_line(facts: LinearFacts) -> str:
-    """NNEF: the readouts ``ys`` [B, S, Hk, 1, G Dv] as ``out`` [B, S, Hv, Dv]."""
-    return (f"out = reshape(squeeze(ys, axes = [3]), shape = [-1, {facts.dv}], axis_start = 2,"
+    """NNEF: the readouts ``ys`` [B, S, Hk, G Dv, 1] as ``out`` [B, S, Hv, Dv]."""
+    return (f"out = reshape(squeeze(ys, axes = [4]), shape = [-1, {facts.dv}], axis_start = 2,"
             " axis_count = 2);")
 
 
