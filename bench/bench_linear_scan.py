@@ -16,6 +16,12 @@ load + into_runnable of the graph.
     .venv/bin/python bench/bench_linear_scan.py                  # S = 1, 64, 512
     .venv/bin/python bench/bench_linear_scan.py --quick          # smoke run: tiny layer
     .venv/bin/python bench/bench_linear_scan.py --lengths 100 --rounds 15
+    .venv/bin/python bench/bench_linear_scan.py --value-first      # as Mamba2's drop-in feeds it
+
+``--value-first`` gives the state as transformers keeps a Mamba2 state, [1, 24, 64, 128]
+(value-first), transposed into the op's key-first contract and the final state back, as
+reify's drop-in does (gdn_fx/hf/ssm_dropins.py): where a lowering's own layout cancels those
+moves, the copies are gone from the timings.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class Layer:
     groups: int = 24
     dk: int = 128
     dv: int = 64
+    value_first: bool = False  # the state given [B, Hv, Dv, Dk] (--value-first)
 
     def inputs(self, seq: int, seed: int = 0) -> tuple:
         """q, k, v, g, s0 in ranges a trained Mamba2 gives: dt = softplus(.) around 0.01-0.1,
@@ -62,27 +69,44 @@ class Layer:
         dt = nn.functional.softplus(rnd(1, seq, hv) - 3.0)
         a = -torch.exp(torch.rand(hv, generator=gen) * 2.77)
         x = rnd(1, seq, hv, self.dv)
+        state = 0.1 * rnd(1, hv, self.dk, self.dv)
+        if self.value_first:
+            state = state.transpose(-1, -2).contiguous()
         return (rnd(1, seq, self.key_heads, self.dk), rnd(1, seq, self.key_heads, self.dk),
-                dt.unsqueeze(-1) * x, dt * a, 0.1 * rnd(1, hv, self.dk, self.dv))
+                dt.unsqueeze(-1) * x, dt * a, state)
 
     def __str__(self) -> str:
+        first = ", state value-first" if self.value_first else ""
         return (f"B=1, Hk={self.key_heads}, G={self.groups}, Dk={self.dk}, Dv={self.dv}, "
-                "f32, scale 1")
+                f"f32, scale 1{first}")
 
 
 class Fused(nn.Module):
-    """The fused op alone: its two outputs are the graph's."""
+    """The fused op alone: its two outputs are the graph's (``value_first``: the state in
+    and out transposed around it, as Mamba2's drop-in does)."""
+
+    def __init__(self, value_first: bool = False):
+        super().__init__()
+        self.value_first = value_first
 
     def forward(self, q, k, v, g, s0):
-        return torch.ops.gdn_fx.gated_linear_scan(q, k, v, g, s0, scale=1.0)
+        if not self.value_first:
+            return torch.ops.gdn_fx.gated_linear_scan(q, k, v, g, s0, scale=1.0)
+        out, final = torch.ops.gdn_fx.gated_linear_scan(q, k, v, g, s0.transpose(-1, -2),
+                                                        scale=1.0)
+        return out, final.transpose(-1, -2).contiguous()
 
 
-def oracle(inputs: Sequence[torch.Tensor]) -> tuple:
+def oracle(inputs: Sequence[torch.Tensor], value_first: bool = False) -> tuple:
     """The float64 recurrence on the same inputs."""
     from gdn_fx.reference import recurrent_linear_reference
 
     q, k, v, g, s0 = (x.double() for x in inputs)
-    return recurrent_linear_reference(q, k, v, g, scale=1.0, initial_state=s0)
+    if not value_first:
+        return recurrent_linear_reference(q, k, v, g, scale=1.0, initial_state=s0)
+    out, final = recurrent_linear_reference(q, k, v, g, scale=1.0,
+                                            initial_state=s0.transpose(-1, -2))
+    return out, final.transpose(-1, -2)
 
 
 @dataclass
@@ -115,7 +139,7 @@ def static_paths(layer: Layer, seq: int, inputs: tuple, want: tuple,
     """Every candidate that accepts the static ``seq``, forced."""
     from gdn_fx.lowering import plan_lowering
 
-    program = torch.export.export(Fused(), inputs)
+    program = torch.export.export(Fused(layer.value_first), inputs)
     paths = []
     for name in common.candidates(OP):
         try:
@@ -130,18 +154,18 @@ def static_paths(layer: Layer, seq: int, inputs: tuple, want: tuple,
 
 def symbolic_graphs(layer: Layer, folder: Path) -> dict[str, Path]:
     """Each candidate of SYMBOLIC exported once with a symbolic sequence axis (traced at 4)."""
-    program = torch.export.export(Fused(), layer.inputs(4))
+    program = torch.export.export(Fused(layer.value_first), layer.inputs(4))
     return {name: _export(program, folder / f"{name}_symbolic.nnef", name, dynamic=True)
             for name in SYMBOLIC}
 
 
-def eager_path(inputs: tuple) -> Timed:
+def eager_path(inputs: tuple, value_first: bool = False) -> Timed:
     """The op's eager kernel in its fast (chunked) form, as torch runs it on one thread."""
     from gdn_fx.ops import fast_scan_kernel
 
     def call():
         with fast_scan_kernel():
-            return Fused()(*inputs)
+            return Fused(value_first)(*inputs)
 
     return Timed("torch eager op (1 thread)", call)
 
@@ -166,11 +190,11 @@ def table(title: str, paths: list[Timed], rounds: int) -> None:
 def length_part(layer: Layer, seq: int, symbolic: dict[str, Path], folder: Path,
                 rounds: int) -> None:
     inputs = layer.inputs(seq, seed=seq)
-    want = oracle(inputs)
+    want = oracle(inputs, layer.value_first)
     paths = static_paths(layer, seq, inputs, want, folder)
     paths += [tract_path(f"{name} (symbolic S)", nnef, inputs, want)
               for name, nnef in symbolic.items()]
-    paths.append(eager_path(inputs))
+    paths.append(eager_path(inputs, layer.value_first))
     table(f"gated_linear_scan S={seq} ({layer})", paths, rounds)
 
 
@@ -178,12 +202,15 @@ def main() -> None:
     ap = common.parser(__doc__.splitlines()[0])
     ap.add_argument("--lengths", nargs="+", type=int, default=None,
                     help="sequence lengths (default 1 64 512; quick 1 70)")
+    ap.add_argument("--value-first", action="store_true",
+                    help="the state value-first, transposed around the op (module doc)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # torch eager is compared on one thread, as tract runs
     common.silence_warnings()
     import gdn_fx  # noqa: F401  (registers torch.ops.gdn_fx)
 
-    layer = Layer(1, 2, 16, 8) if args.quick else Layer()
+    layer = Layer(1, 2, 16, 8, args.value_first) if args.quick else Layer(
+        value_first=args.value_first)
     rounds = common.rounds_for(args, full=9)
     folder = common.workdir(args, "linear_scan")
     symbolic = symbolic_graphs(layer, folder)
