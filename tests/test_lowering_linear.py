@@ -35,8 +35,9 @@ from gdn_fx.reference import recurrent_linear_reference
 
 OP = "gated_linear_scan"
 LENGTHS = (1, 2, 3, 16, 100, 300)
-# and whole chunk-loop iterations, where "split" runs no step of its own (an identity one)
-SYMBOLIC_LENGTHS = LENGTHS + (64, 128)
+# and whole chunk-loop iterations, where "split"'s one step takes an identity token, and one
+# token past them, where it takes the last token after the chunks
+SYMBOLIC_LENGTHS = LENGTHS + (64, 65, 128)
 NAMES = ["q", "k", "v", "g", "s0"]
 SEQ_AXES = {name: {1: "S"} for name in NAMES[:4]}
 SCALE = 0.35
