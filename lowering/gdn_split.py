@@ -1,36 +1,34 @@
 """Candidate "split" for gated_delta_scan: ONE graph that serves decode (S = 1) and prefill.
 
 For a sequence of S tokens, with W = ``SCAN_CHUNK * SCAN_CHUNKS_PER_STEP`` the tokens one
-iteration of the chunk loop takes (64) and M = floor(S / W) * W:
+iteration of the chunk loop takes (64), the operands are padded by W identity tokens (zero
+q, k, v, beta and log decay: the state kept exactly) and cut at L = floor((S + W - 2) / W) * W:
 
-- tokens [0, M): the chunked (WY) form, the loop over chunks of "chunked"
-  (gdn_chunked_text.py), with nothing to pad;
-- tokens [M, S): a ``tract_core_scan`` of matmul steps, the loop of "matmul" (gdn_matmul.py),
-  started from the state the chunks end with.
+- tokens [0, L): the chunked (WY) form, the loop over chunks of "chunked"
+  (gdn_chunked_text.py), whole iterations: every token but a lone last one (S mod W = 1),
+  the identity tokens up to L with them;
+- token L: ONE matmul step (gdn_matmul.py's "matmul_step") from the state the chunks end
+  with: the last token where S mod W = 1 (a decode step: zero chunk iterations), an identity
+  token otherwise;
+- the outputs joined and cut at S.
 
-At S = 1 that is zero chunks and one step (the decode cost of "matmul"); at S = 512 eight
-iterations of chunks and no step (the prefill cost of "chunked", without its padding). So a
-generation-ready artifact needs no second graph at S = 1 (issue 31).
+So a generation-ready artifact needs no second graph at S = 1 (issue 31), and a prompt's tail
+is never a loop of up to 63 steps: on a Qwen3.5-sized layer core (16 heads of 128, f32, one
+thread, 2026-12-08) S = 63 took 7.7 ms against 54 with the tail in steps, S = 100 14.3
+against 36.4, S = 1 1.15 against 1.22, S = 65 and 512 within 3 %; 2 to 7 tokens pay one chunk
+iteration (S = 2: 6.9 ms against 1.8). Every size is a plain expression of S: a minimum or a
+product of two sizes made tract 0.23.9 load a layer 4-8x slower (the linear op's split, same
+plan).
 
-The chunk loop scans the RAW operands, W tokens an iteration: its body does the whole of
+The chunk loop scans the padded operands, W tokens an iteration: its body does the whole of
 chunked's work for them (layout, l2norm scalings, k k^T, pair decays, the inverse T, the two
-chunks, the layout back), so a loop of zero iterations runs none of it. (Batched over all
-chunks before the loop, as "chunked" does, those ~300 small ops ran on empty tensors at S = 1,
-~0.3 ms; with the two guards below written as ``select``, 1.97 ms against matmul's 0.51 on a
-16 x 128 layer, issue 31.)
+chunks, the layout back), so a loop of zero iterations runs none of it.
 
 Trap (tract 0.23.9): a ``tract_core_scan`` that runs ZERO iterations returns a scalar, not its
-initial state, for its state (``last``) output. Either part may run zero iterations (S < W;
-S a multiple of W). Guards, chosen because ``select`` on a state costs ~0.4 ms (tract's Iff):
-
-- chunks: the loop gives the state after EVERY iteration (a ``full`` output, right at zero
-  iterations: [0, ...]); the initial state is put in front of them and the one after the
-  last iteration sliced out (row c = M / W of the B-row blocks): two copies of the state;
-- steps: where S is a multiple of W, one identity step (zero k, q, v, beta and log decay:
-  the state is kept exactly) is appended, so the loop never runs zero iterations, and its
-  output row is sliced off. The pad's length is written ``n/W + 1 - (n + W-1)/W`` (1 or 0):
-  written ``(W - r) / W`` it made tract's step loop twice as slow (measured, cause not
-  examined).
+initial state, for its state (``last``) output (at S = 1 here). Guard: the loop gives the
+state after EVERY iteration (a ``full`` output, right at zero iterations: [0, ...]); the
+initial state is put in front of them and the one after the last iteration sliced out (row
+c = L / W of the B-row blocks): two copies of the state.
 
 It accepts what "chunked" accepts (GDN gate, q/k l2norm in the node, f16/f32 operands) and
 refuses the rest with chunked's reason (KDA gates, qk_l2norm=False: "matmul" serves them),
@@ -102,36 +100,33 @@ def body_lines(facts: ScanFacts, suffix: str) -> list[str]:
 
 
 def split_lines(facts: ScanFacts, suffix: str) -> list[str]:
-    """The top fragment: cut at M, the chunk loop over [0, M) (its state after each
-    iteration, s0 in front, the last sliced out), the steps over [M, S) with one identity
-    step appended where S - M = 0 (its output row dropped); see the module docstring."""
+    """The top fragment: the operands padded by one iteration of identity tokens; the chunk
+    loop over [0, L) of them (its state after each iteration, s0 in front, the last sliced
+    out), ONE step on token L from that state; the outputs joined and cut at S (the module
+    docstring)."""
     hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
-    lines = common.dims_lines() + [f"m = n / {WHOLE} * {WHOLE};", "r = n - m;",
-                                   f"c = m / {WHOLE} * b;", "c1 = c + b;",
-                                   f"p = n / {WHOLE} + 1 - (n + {WHOLE - 1}) / {WHOLE};"]
+    tails = {"q": (f", {hk}, {dk}", "zero4"), "k": (f", {hk}, {dk}", "zero4"),
+             "v": (f", {hv}, {dv}", "zero4"), "g": (f", {hv}", "zero3"),
+             "beta": (f", {hv}", "zero3")}
+    lines = common.dims_lines() + [f"whole = (n + {WHOLE - 2}) / {WHOLE} * {WHOLE};",
+                                   f"c = whole / {WHOLE} * b;", "c1 = c + b;"]
     for name in OPERANDS:
-        lines += [f"{name}1 = slice({name}, axes = [1], begin = [0], end = [m]);",
-                  f"{name}2 = slice({name}, axes = [1], begin = [m], end = [n]);"]
+        lines += [common.padded_line(f"{name}p", name, str(WHOLE), *tails[name]),
+                  f"{name}1 = slice({name}p, axes = [1], begin = [0], end = [whole]);",
+                  f"{name}2 = slice({name}p, axes = [1], begin = [whole], end = [whole + 1]);"]
     scans = ", ".join(f'("{name}", {name}1, 1, {WHOLE})' for name in OPERANDS)
     full = ", ".join(f'("{name}", {name})' for name in text.CONSTANTS)
-    lines += [f'(sts, o1) = tract_core_scan(body = "gdn_fx_split_chunks{suffix}",',
-              f"    scan = [{scans}],",
-              f"    full = [{full}], state = [(\"s0\", s0, \"final\")],",
-              f'    output = [("states", "full", 0, 1), ("out", "full", 1, {WHOLE})],',
-              "    skip = 0, reset_every_turn = 1);",
-              "sall = concat([s0, reshape(sts, shape = [-1], axis_start = 0, axis_count = 2)],"
-              " axis = 0);",
-              "s1 = slice(sall, axes = [0], begin = [c], end = [c1]);"]
-    for name, zero, tail in (("q", "zero4", f", {hk}, {dk}"), ("k", "zero4", f", {hk}, {dk}"),
-                             ("v", "zero4", f", {hv}, {dv}"), ("g", "zero3", f", {hv}"),
-                             ("beta", "zero3", f", {hv}")):
-        lines.append(f"{name}3 = concat([{name}2, tract_core_broadcast({zero},"
-                     f" shape = [b, p{tail}])], axis = 1);")
-    lines += ["(o3, final) = gdn_fx_matmul" + suffix +
-              "(q3, k3, v3, g3, beta3, s1, mk0, mk1, scale);",
-              "o2 = slice(o3, axes = [1], begin = [0], end = [r]);",
-              "out = concat([o1, o2], axis = 1);"]
-    return lines
+    return lines + [
+        f'(sts, o1) = tract_core_scan(body = "gdn_fx_split_chunks{suffix}",',
+        f"    scan = [{scans}],",
+        f"    full = [{full}], state = [(\"s0\", s0, \"final\")],",
+        f'    output = [("states", "full", 0, 1), ("out", "full", 1, {WHOLE})],',
+        "    skip = 0, reset_every_turn = 1);",
+        "sall = concat([s0, reshape(sts, shape = [-1], axis_start = 0, axis_count = 2)],"
+        " axis = 0);",
+        "s1 = slice(sall, axes = [0], begin = [c], end = [c1]);",
+        f"(o2, final) = gdn_fx_matmul{suffix}(q2, k2, v2, g2, beta2, s1, mk0, mk1, scale);",
+        "out = slice(concat([o1, o2], axis = 1), axes = [1], begin = [0], end = [n]);"]
 
 
 PARAMS = ["q", "k", "v", "g", "beta", "s0", *text.CONSTANTS, "mk0", "mk1"]
@@ -139,16 +134,16 @@ PARAMS = ["q", "k", "v", "g", "beta", "s0", *text.CONSTANTS, "mk0", "mk1"]
 
 def definitions(facts: ScanFacts, suffix: str) -> str:
     """Every fragment of one node configuration: one chunk, the chunk loop's body, matmul's
-    loop of steps, and the top fragment joining them."""
+    one step, and the top fragment joining them."""
     chunk = common.fragment_text(f"gdn_fx_chunked_chunk{suffix}",
                                  ["state", *text.CHUNK_INPUTS], ["new_state", "o"],
                                  text.chunk_lines())
     body = common.fragment_text(f"gdn_fx_split_chunks{suffix}", BODY_PARAMS,
                                 ["final", "out", "states"], body_lines(facts, suffix))
-    steps = gdn_matmul.fragment_definitions(facts, single=False, suffix=suffix)
+    step = gdn_matmul.fragment_definitions(facts, single=True, suffix=suffix)
     top = common.fragment_text(f"gdn_fx_split{suffix}", PARAMS, ["out", "final"],
                                split_lines(facts, suffix))
-    return "\n".join([chunk, body, steps, top])
+    return "\n".join([chunk, body, step, top])
 
 
 def emit(ctx: EmitContext) -> list:

@@ -1,13 +1,19 @@
-"""Candidate "split" of gated_delta_scan (lowering/gdn_split.py): the loop over chunks for the
-whole chunks, then a loop of matmul steps for the rest, in ONE graph of symbolic S (issue 31).
+"""Candidate "split" of gated_delta_scan (lowering/gdn_split.py): the loop over chunks for
+every token but a lone last one (padded to whole chunks), then one matmul step, in ONE graph
+of symbolic S (issue 31).
 
 The oracle is gdn_fx.reference.recurrent_delta_rule_reference in float64 (test_lowering_fast's
-``oracle``). Lengths around the chunk loop's step W = 64 tokens: S < W runs zero chunk
-iterations, S = W zero steps; tract 0.23.9 returns a scalar for the state of a scan of zero
-iterations, so both are guarded (the control test shows the step loop's guard is needed).
+``oracle``). Lengths around the chunk loop's step W = 64 tokens: S = 1 runs zero chunk
+iterations and one step on the token, S = 2 .. W one padded iteration and one identity step,
+S = W + 1 one iteration and one step on the last token; tract 0.23.9 returns a scalar for the
+state of a scan of zero iterations, so the chunk loop's state is guarded (the control test
+shows the guard is needed).
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +28,7 @@ from lowering_programs import SCAN_NAMES, scan_inputs
 from test_lowering_fast import SEQ_AXES, SMALL, Fused, check_run, facts, oracle
 
 C = WHOLE
-LENGTHS = (1, 2, C - 1, C, C + 1, 2 * C + 3)
+LENGTHS = (1, 2, C - 1, C, C + 1, 2 * C + 1, 2 * C + 3)
 F16 = torch.float16
 
 
@@ -39,32 +45,59 @@ def test_chunks_are_64_tokens():
 
 def test_split_equals_the_reference_at_every_length(tmp_path):
     """One graph (symbolic S, traced at 4), GDN gate, f32: right at S = 1, 2, C-1, C, C+1,
-    2C+3 (zero chunk iterations, zero steps, both parts)."""
+    2C+1, 2C+3 (zero chunk iterations; padded iterations and an identity step; iterations
+    and a step on the last token)."""
     module = Fused(16 ** -0.5)
     written = _split(module, scan_inputs(s=4, **SMALL), tmp_path / "split.nnef")
     text = tract_check.nnef_text(written)
-    assert "tract_symbol S" in text and text.count("reset_every_turn = 1") == 2
+    assert "tract_symbol S" in text and text.count("reset_every_turn = 1") == 1
     runnable = tract_check.load(written)
     for s in LENGTHS:
         print(s, check_run(runnable, module, scan_inputs(s=s, seed=s, **SMALL), 1e-4))
 
 
 def test_zero_iterations_need_the_guard(tmp_path):
-    """Control: without the identity step padded in where S is a multiple of C (the step loop
-    would run zero iterations), S = C is wrong in tract 0.23.9, whose scan of zero iterations
-    gives a scalar for its state; S < C (zero chunk iterations: the state is read from the
-    chunk loop's per-iteration states, s0 first) is still right."""
+    """Control: with the chunk loop's own last state in place of the guard (its state after
+    every iteration, s0 in front, the one after the last sliced out), S = 1 (zero chunk
+    iterations) is not computed in tract 0.23.9, whose scan of zero iterations gives a
+    scalar for its state (tract aborts the process: the run is a child's); S = C + 1 (one
+    iteration) is still right."""
     module = Fused(0.25)
     written = _split(module, scan_inputs(s=4, **SMALL), tmp_path / "bare.nnef")
     graph = written / "graph.nnef"
     text = graph.read_text()
-    assert "p = n / 64 + 1 - (n + 63) / 64;" in text and text.count("shape = [b, p, ") == 5
-    assert "s1 = slice(sall, axes = [0], begin = [c], end = [c1]);" in text
-    graph.write_text(text.replace("shape = [b, p, ", "shape = [b, 0, "))
-    runnable = tract_check.load(written)
-    with pytest.raises(Exception):  # noqa: B017 (a scalar final state, or tract's error)
-        check_run(runnable, module, scan_inputs(s=C, seed=5, **SMALL), 1e-4)
-    print(check_run(runnable, module, scan_inputs(s=3, seed=3, **SMALL), 1e-4))  # 0 chunks
+    guard = ['output = [("states", "full", 0, 1),', "s1 = slice(sall, axes = [0], begin = [c],"
+             " end = [c1]);", "sall = concat([s0, reshape(sts, shape = [-1], axis_start = 0,"
+             " axis_count = 2)], axis = 0);"]
+    assert all(line in text for line in guard)
+    args = scan_inputs(s=1, seed=5, **SMALL)
+    torch.save({"args": args, "want": oracle(module, args)}, tmp_path / "case.pt")
+    guarded = _one_token(written, tmp_path / "case.pt")
+    assert guarded.returncode == 0 and "right" in guarded.stdout, guarded.stderr[-2000:]
+    bare = text.replace(guard[0], 'output = [("final", "last", 0, 1),')
+    graph.write_text(bare.replace(guard[1], "s1 = copy(sts);").replace(guard[2], ""))
+    print(check_run(tract_check.load(written), module, scan_inputs(s=C + 1, seed=3, **SMALL),
+                    1e-4))
+    unguarded = _one_token(written, tmp_path / "case.pt")
+    assert unguarded.returncode != 0 and "right" not in unguarded.stdout  # an error or abort
+
+
+def _one_token(written, case):
+    """The graph at S = 1 against the oracle, in a child process."""
+    return subprocess.run([sys.executable, "-c", _ONE_TOKEN, str(written), str(case)],
+                          capture_output=True, text=True, timeout=300)
+
+
+# The child: the graph at S = 1 against the oracle; prints "right" only where it computes it.
+_ONE_TOKEN = """
+import sys, torch
+from gdn_fx import tract_check
+case = torch.load(sys.argv[2])
+got = tract_check.run(tract_check.load(sys.argv[1]), case["args"])
+errors = [tract_check.relative_error(g, w) for g, w in zip(got, case["want"])]
+print("right" if max(errors) <= 1e-4 else f"wrong {errors}")
+sys.exit(0 if max(errors) <= 1e-4 else 1)
+"""
 
 
 FEATURES = {  # name: (scan_inputs kwargs, scale, tolerance)
