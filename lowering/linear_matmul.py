@@ -35,8 +35,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
-
 from gdn_fx.lowering import gdn_fast_common as common
 from gdn_fx.lowering.node_facts import LINEAR_OPERANDS, LinearFacts, portable_dtype_reason
 from gdn_fx.lowering.nnef_emit import EmitContext
@@ -44,7 +42,7 @@ from gdn_fx.lowering.target import Target
 
 STEP_INPUTS = ("qcol", "krow", "vcol", "decay")
 COPIES = 2  # positions the readout output takes an iteration (the module docstring says why)
-PARAMS = ["q", "k", "v", "g", "s0", "scale", "zero4", "zero3"]
+PARAMS = ["q", "k", "v", "g", "s0", "scale"]
 
 
 def check(facts: LinearFacts, target: Target) -> Optional[str]:
@@ -72,18 +70,6 @@ def state_out_line(name: str, source: str) -> str:
     """NNEF: a state in the loop layout back in the contract's [B, Hv, Dk, Dv]."""
     return (f"{name} = transpose(reshape({source}, shape = [-1], axis_start = 1,"
             " axis_count = 2), axes = [0, 1, 3, 2]);")
-
-
-def pad_lines(facts: LinearFacts, pad: str) -> list[str]:
-    """q, k, v, g padded by ``pad`` positions (``qp``, ``kp``, ``vp``, ``gp``): zero inputs
-    and a zero log gate are an identity step."""
-    hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
-    gate = (f", {hv}, {dk}", "zero4") if facts.per_key else (f", {hv}", "zero3")
-    return common.dims_lines() + [
-        common.padded_line("qp", "q", pad, f", {hk}, {dk}", "zero4"),
-        common.padded_line("kp", "k", pad, f", {hk}, {dk}", "zero4"),
-        common.padded_line("vp", "v", pad, f", {hv}, {dv}", "zero4"),
-        common.padded_line("gp", "g", pad, *gate)]
 
 
 def prologue_lines(facts: LinearFacts, q: str, k: str, v: str, g: str) -> list[str]:
@@ -119,9 +105,8 @@ def iteration_lines(suffix: str) -> list[str]:
 
 
 def loop_lines(suffix: str) -> list[str]:
-    """The steps as a tract_core_scan over the sequence axis (axis 1) of the padded
-    operands, from ``st``: ``fin`` and ``ys`` [B, S, Hk, G Dv, 1] (the first copy of each
-    readout), the padding dropped."""
+    """The steps as a tract_core_scan over the sequence axis (axis 1) of the operands, from
+    ``st``: ``fin`` and ``ys`` [B, S, Hk, G Dv, 1] (the first copy of each readout)."""
     scans = ", ".join(f'("{name}_t", {name}, 1, 1)' for name in STEP_INPUTS)
     return [f'(fin, yp) = tract_core_scan(body = "gdn_fx_linear_scan_step{suffix}",',
             f"    scan = [{scans}],",
@@ -129,8 +114,7 @@ def loop_lines(suffix: str) -> list[str]:
             f'    output = [("new_state", "last", 0, 1), ("y_t", "full", 1, {COPIES})],',
             "    skip = 0, reset_every_turn = 1);",
             f"yc = reshape(yp, shape = [-1, {COPIES}], axis_start = 1, axis_count = 1);",
-            "ys = slice(squeeze(slice(yc, axes = [2], begin = [0], end = [1]), axes = [2]),"
-            " axes = [1], begin = [0], end = [n]);"]
+            "ys = squeeze(slice(yc, axes = [2], begin = [0], end = [1]), axes = [2]);"]
 
 
 def out_line(facts: LinearFacts) -> str:
@@ -139,7 +123,7 @@ def out_line(facts: LinearFacts) -> str:
             " axis_count = 2);")
 
 
-STEPS_PARAMS = ["q", "k", "v", "g", "st", "scale", "zero4", "zero3"]
+STEPS_PARAMS = ["q", "k", "v", "g", "st", "scale"]
 
 
 def step_fragment(facts: LinearFacts, suffix: str) -> str:
@@ -147,15 +131,14 @@ def step_fragment(facts: LinearFacts, suffix: str) -> str:
                                 ["new_state", "y"], step_lines(facts))
 
 
-def steps_definitions(facts: LinearFacts, suffix: str, pad: str = "0") -> str:
-    """The step, the loop body and ``gdn_fx_linear_steps``: the loop on raw operands padded
-    by ``pad`` positions (an NNEF expression of their length ``n``), the state in and out
-    in the loop layout."""
+def steps_definitions(facts: LinearFacts, suffix: str) -> str:
+    """The step, the loop body and ``gdn_fx_linear_steps``: the loop on raw operands, the
+    state in and out in the loop layout."""
     body = common.fragment_text(
         f"gdn_fx_linear_scan_step{suffix}", ["state", *(f"{n}_t" for n in STEP_INPUTS)],
         ["new_state", "y_t"], iteration_lines(suffix))
-    lines = (pad_lines(facts, pad) + prologue_lines(facts, "qp", "kp", "vp", "gp")
-             + loop_lines(suffix) + [out_line(facts)])
+    lines = (prologue_lines(facts, "q", "k", "v", "g") + loop_lines(suffix)
+             + [out_line(facts)])
     steps = common.fragment_text(f"gdn_fx_linear_steps{suffix}", STEPS_PARAMS,
                                  ["out", "fin"], lines)
     return "\n".join([step_fragment(facts, suffix), body, steps])
@@ -171,8 +154,7 @@ def definitions(facts: LinearFacts, single: bool, suffix: str) -> str:
             "ys = unsqueeze(y1, axes = [1]);", out_line(facts)]
     else:
         parts = [steps_definitions(facts, suffix)]
-        main = [f"(out, fin) = gdn_fx_linear_steps{suffix}(q, k, v, g, st, scale, zero4,"
-                " zero3);"]
+        main = [f"(out, fin) = gdn_fx_linear_steps{suffix}(q, k, v, g, st, scale);"]
     main = [state_in_line(facts, "st", "s0")] + main + [state_out_line("final", "fin")]
     parts.append(common.fragment_text(f"gdn_fx_linear_matmul{suffix}", PARAMS,
                                       ["out", "final"], main))
@@ -193,12 +175,10 @@ def _emit(ctx: EmitContext, single: bool) -> list:
     facts = ctx.facts
     work = common.work_dtype(facts)
     operands = common.prepared_operands(ctx, work, LINEAR_OPERANDS)
-    zeros = [common.variable(ctx, f"zero{rank}", np.zeros((1,) * rank), work)
-             for rank in (4, 3)]
     name, frag = common.fragment("gdn_fx_linear_matmul",
                                  lambda suffix: definitions(facts, single, suffix))
     out = ctx.tensor("out", facts.shapes["v"], work)
     final = ctx.tensor("final_state", facts.shapes["initial_state"], work)
-    ctx.apply_multi(name, operands + [common.scale_variable(ctx, work)] + zeros, (out, final))
+    ctx.apply_multi(name, operands + [common.scale_variable(ctx, work)], (out, final))
     common.finish_outputs(ctx, out, final)
     return [frag]
