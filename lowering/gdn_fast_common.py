@@ -88,6 +88,17 @@ def dims_lines() -> list[str]:
             " axes = [0]);"]
 
 
+def pad_tail(facts, operand: str) -> tuple[str, str]:
+    """(the dims after [B, S] of ``operand``, the constant that pads it) for ``padded_line``:
+    q, k [Hk, Dk] and v [Hv, Dv] padded with ``zero4``; a gate or beta of one value per head
+    [Hv] with ``zero3`` (the chunked forms take no per-key-channel gate)."""
+    if operand in ("q", "k"):
+        return f", {facts.key_heads}, {facts.dk}", "zero4"
+    if operand == "v":
+        return f", {facts.value_heads}, {facts.dv}", "zero4"
+    return f", {facts.value_heads}", "zero3"
+
+
 def padded_line(name: str, source: str, pad: str, tail: str, zero: str,
                 block: int = 0) -> str:
     """NNEF: ``name`` = ``source`` [B, S, ...] zero-padded by ``pad`` positions (an NNEF dim

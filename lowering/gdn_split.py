@@ -104,14 +104,10 @@ def split_lines(facts: ScanFacts, suffix: str) -> list[str]:
     loop over [0, L) of them (its state after each iteration, s0 in front, the last sliced
     out), ONE step on token L from that state; the outputs joined and cut at S (the module
     docstring)."""
-    hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
-    tails = {"q": (f", {hk}, {dk}", "zero4"), "k": (f", {hk}, {dk}", "zero4"),
-             "v": (f", {hv}, {dv}", "zero4"), "g": (f", {hv}", "zero3"),
-             "beta": (f", {hv}", "zero3")}
     lines = common.dims_lines() + [f"whole = (n + {WHOLE - 2}) / {WHOLE} * {WHOLE};",
                                    f"c = whole / {WHOLE} * b;", "c1 = c + b;"]
     for name in OPERANDS:
-        lines += [common.padded_line(f"{name}p", name, str(WHOLE), *tails[name]),
+        lines += [common.padded_line(f"{name}p", name, str(WHOLE), *common.pad_tail(facts, name)),
                   f"{name}1 = slice({name}p, axes = [1], begin = [0], end = [whole]);",
                   f"{name}2 = slice({name}p, axes = [1], begin = [whole], end = [whole + 1]);"]
     scans = ", ".join(f'("{name}", {name}1, 1, {WHOLE})' for name in OPERANDS)

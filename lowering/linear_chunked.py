@@ -86,14 +86,13 @@ def _heads_first(name: str, source: str, axes: str) -> str:
 def prepare_lines(facts: LinearFacts, chunk: int, pad: str) -> list[str]:
     """Pad, chunk and lay out every operand: qq, kk [n, M, C, Dk]; v as vm [n, M, C, G, Dv]
     and vh [n, M, G, C, Dv]; the log gates gg [n, M, G, C]."""
-    hk, g, hv, dk, dv = facts.key_heads, facts.groups, facts.value_heads, facts.dk, facts.dv
-    split = f"shape = [{hk}, {g}], axis_start = 3, axis_count = 1"
+    split = f"shape = [{facts.key_heads}, {facts.groups}], axis_start = 3, axis_count = 1"
     return common.dims_lines() + [
         "qs = mul(q, scale);",
-        common.padded_line("qp", "qs", pad, f", {hk}, {dk}", "zero4", chunk),
-        common.padded_line("kp", "k", pad, f", {hk}, {dk}", "zero4", chunk),
-        common.padded_line("vp", "v", pad, f", {hv}, {dv}", "zero4", chunk),
-        common.padded_line("gp", "g", pad, f", {hv}", "zero3", chunk),
+        common.padded_line("qp", "qs", pad, *common.pad_tail(facts, "q"), chunk),
+        common.padded_line("kp", "k", pad, *common.pad_tail(facts, "k"), chunk),
+        common.padded_line("vp", "v", pad, *common.pad_tail(facts, "v"), chunk),
+        common.padded_line("gp", "g", pad, *common.pad_tail(facts, "g"), chunk),
         _heads_first("qq", "qp", "[1, 0, 3, 2, 4]"),
         _heads_first("kk", "kp", "[1, 0, 3, 2, 4]"),
         f"vs = reshape(vp, {split});",  # [B, n, C, Hk, G, Dv]

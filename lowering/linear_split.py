@@ -65,12 +65,9 @@ def split_lines(facts: LinearFacts, suffix: str) -> list[str]:
     state the chunks end with; the outputs joined and cut at S; the state moved into the
     loops' layout and back."""
     consts = ", ".join(linear_chunked.CONSTANTS)
-    hk, hv, dk, dv = facts.key_heads, facts.value_heads, facts.dk, facts.dv
-    tails = {"q": (f", {hk}, {dk}", "zero4"), "k": (f", {hk}, {dk}", "zero4"),
-             "v": (f", {hv}, {dv}", "zero4"), "g": (f", {hv}", "zero3")}
     lines = common.dims_lines() + [f"whole = (n + {WHOLE - 2}) / {WHOLE} * {WHOLE};"]
     for name in OPERANDS:
-        lines += [common.padded_line(f"{name}p", name, str(WHOLE), *tails[name]),
+        lines += [common.padded_line(f"{name}p", name, str(WHOLE), *common.pad_tail(facts, name)),
                   f"{name}1 = slice({name}p, axes = [1], begin = [0], end = [whole]);",
                   f"{name}2 = slice({name}p, axes = [1], begin = [whole], end = [whole + 1]);"]
     args = ", ".join(f"squeeze({s}, axes = [1])" for s in linear_matmul.STEP_INPUTS)
@@ -81,7 +78,7 @@ def split_lines(facts: LinearFacts, suffix: str) -> list[str]:
         linear_chunked.unflat_line(facts, "s1", "fin1"),
         *linear_matmul.prologue_lines(facts, "q2", "k2", "v2", "g2"),
         f"(fin2, y) = gdn_fx_linear_step{suffix}(s1, {args});",
-        f"o2 = reshape(unsqueeze(squeeze(y, axes = [3]), axes = [1]), shape = [-1, {dv}],"
+        f"o2 = reshape(unsqueeze(squeeze(y, axes = [3]), axes = [1]), shape = [-1, {facts.dv}],"
         " axis_start = 2, axis_count = 2);",
         "out = slice(concat([o1, o2], axis = 1), axes = [1], begin = [0], end = [n]);",
         linear_matmul.state_out_line("final", "fin2")]
