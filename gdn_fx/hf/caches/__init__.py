@@ -34,17 +34,23 @@ Entry = tuple[str, Optional[int], Tensor]
 class CacheAdapter(Protocol):
     """How gdn-fx reads and writes one cache layout (the module docstring)."""
 
-    def new(self, model: nn.Module) -> Any: ...
+    def new(self, model: nn.Module) -> Any:
+        """An empty cache of the class ``model``'s forward fills."""
 
-    def entries(self, cache: Any) -> list[list[Entry]]: ...
+    def entries(self, cache: Any) -> list[list[Entry]]:
+        """Per layer, ``(kind, slot, tensor)`` of every tensor ``cache`` holds."""
 
     def filled(self, model: nn.Module, specs: Sequence, tensors: Sequence[Tensor], *,
                linear_class: Optional[type] = None, whole_windows: bool = False,
-               forget_linear: bool = False) -> Any: ...
+               forget_linear: bool = False) -> Any:
+        """A fresh cache holding ``tensors`` (used as given) where ``specs`` say; the options
+        are the layered adapter's (``layers.LayersAdapter.filled``)."""
 
-    def read(self, cache: Any, specs: Sequence) -> list[Tensor]: ...
+    def read(self, cache: Any, specs: Sequence) -> list[Tensor]:
+        """The tensors ``cache`` holds now, in ``specs`` order."""
 
-    def step_swaps(self, model: nn.Module) -> list: ...
+    def step_swaps(self, model: nn.Module) -> list:
+        """(instance, name, replacement) patches a step needs while it runs on such a cache."""
 
 
 def adapter() -> CacheAdapter:
